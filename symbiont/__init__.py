@@ -1,0 +1,23 @@
+"""symbiont: one frozen base LLM shared by many tenants through split execution."""
+
+from symbiont.checkpoint import CheckpointError
+from symbiont.client import load_client
+from symbiont.executor import BaseExecutor, Executor, ExecutorError
+
+
+def default_model(*args, **kwargs):
+    """Path of the embedded default checkpoint, built locally on first use."""
+    from symbiont.default_model import default_model as build
+
+    return build(*args, **kwargs)
+
+
+__all__ = [
+    "BaseExecutor",
+    "CheckpointError",
+    "Executor",
+    "ExecutorError",
+    "default_model",
+    "load_client",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,211 @@
+"""VirtLayers: stand-ins for frozen linear modules whose math runs on a base executor.
+
+A VirtLayer subclasses the module type it replaces and carries a zero-storage weight
+(one scalar expanded to the full shape), so PEFT, transformers and user code that look
+at `weight.shape`, `dtype`, `device`, `in_features`/`out_features` or `nf`/`nx` see
+exactly what they would see on the real module, while no memory is spent on it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from symbiont.executor.interface import Executor, Op
+from symbiont.layers import LayerSpec
+
+
+class _BaseLayerCall(torch.autograd.Function):
+    """y = base(x) with backward grad_x = executor.backward(grad_y).
+
+    Saves no tensors: a frozen linear layer's input gradient needs only the weight,
+    which the executor already holds (Symbiosis 3.6). So neither side keeps activations.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: VirtLayer) -> torch.Tensor:
+        ctx.layer = layer
+        return layer.call_executor(Op.FORWARD, x)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        grad_x = ctx.layer.call_executor(Op.BACKWARD, grad_y.contiguous())
+        return grad_x, None
+
+
+class VirtLayer:
+    """Mixin holding the executor link; concrete classes also subclass the replaced type."""
+
+    executor: Executor
+    spec: LayerSpec
+
+    def _link(self, executor: Executor, spec: LayerSpec, dtype: torch.dtype, device) -> None:
+        self.executor = executor
+        self.spec = spec
+        self.register_parameter("weight", _zero_storage(self._weight_shape(), dtype, device))
+        bias = _zero_storage((spec.out_features,), dtype, device) if spec.has_bias else None
+        self.register_parameter("bias", bias)
+
+    def _weight_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [n_tokens, in]: the executor sees flattened tokens
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = _BaseLayerCall.apply(flat, self)
+        else:
+            y = self.call_executor(Op.FORWARD, flat)
+        return y.view(*x.shape[:-1], self.spec.out_features)
+
+    def call_executor(self, op: Op, x: torch.Tensor) -> torch.Tensor:
+        """One executor call in the executor's dtype; the result comes back in x's dtype.
+        x [n_tokens, width_in] -> [n_tokens, width_out]"""
+        wire_dtype = self.executor.manifest.dtype
+        return self.executor.call(op, self.spec.id, x.to(wire_dtype)).to(x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to()/cuda()/half() would materialise the expanded weight; move the
+        # one stored scalar instead and expand it again.
+        for name in ("weight", "bias"):
+            param = self._parameters.get(name)
+            if param is not None:
+                moved = fn(torch.zeros((), dtype=param.dtype, device=param.device))
+                self._parameters[name] = _zero_storage(param.shape, moved.dtype, moved.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.in_features} -> {self.spec.out_features}, layer={self.spec.id} (on executor)"
+
+
+class VirtLinear(VirtLayer, nn.Linear):
+    def __init__(self, executor: Executor, spec: LayerSpec, dtype: torch.dtype, device):
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate the weight
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+        self._link(executor, spec, dtype, device)
+
+    def _weight_shape(self) -> tuple[int, int]:
+        return (self.spec.out_features, self.spec.in_features)
+
+    forward = VirtLayer.forward
+
+
+class VirtConv1D(VirtLayer, Conv1D):
+    def __init__(self, executor: Executor, spec: LayerSpec, dtype: torch.dtype, device):
+        nn.Module.__init__(self)  # Conv1D.__init__ would allocate the weight
+        self.nx, self.nf = spec.in_features, spec.out_features
+        self._link(executor, spec, dtype, device)
+
+    def _weight_shape(self) -> tuple[int, int]:
+        return (self.spec.in_features, self.spec.out_features)
+
+    forward = VirtLayer.forward
+
+    def __repr__(self) -> str:
+        return f"VirtConv1D({self.extra_repr()})"
+
+
+class BaseWeightUnavailable(RuntimeError):
+    """Client code tried to read a base weight, which only the executor holds."""
+
+
+# Where in the stack a weight read comes from -> the PEFT feature to name in the error.
+_WEIGHT_READERS = {
+    "peft.tuners.lora.dora": "DoRA (LoraConfig(use_dora=True))",
+    "peft.tuners.lora.corda": "CorDA initialisation (init_lora_weights='corda')",
+    "peft.tuners.lora.eva": "EVA initialisation (init_lora_weights='eva')",
+    "peft.utils.loftq_utils": "LoftQ initialisation (init_lora_weights='loftq')",
+}
+_WEIGHT_READER_FUNCTIONS = {
+    "pissa_init": "PiSSA initialisation (init_lora_weights='pissa')",
+    "olora_init": "OLoRA initialisation (init_lora_weights='olora')",
+    "merge": "merging adapters into base weights (merge_adapter / merge_and_unload)",
+    "unmerge": "merging adapters into base weights (merge_adapter / merge_and_unload)",
+}
+# Tensor attributes that describe a weight without reading it; `data` yields the
+# weight itself so code that inspects `weight.data.shape` still sees the right shape.
+_READ_FREE = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "requires_grad_",
+        "detach",
+        "__get__",
+        "__set__",
+        "__reduce_ex__",
+    }
+)
+_VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+class RemoteWeight(nn.Parameter):
+    """A frozen weight of the right shape, dtype and device whose values live on the
+    executor. Backed by one element; any read of its values raises a clear error
+    instead of silently computing with placeholder zeros."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop == "data":
+                return args[0]
+            if prop not in _VALUE_PROPERTIES:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+        elif name == "detach":
+            return args[0]
+        elif name in _READ_FREE:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise BaseWeightUnavailable(_weight_read_message(name))
+
+    def __deepcopy__(self, memo):
+        return _zero_storage(self.shape, self.dtype, self.device)
+
+    def __repr__(self) -> str:
+        return f"RemoteWeight(shape={list(self.shape)}, dtype={self.dtype}, on the base executor)"
+
+
+def _weight_read_message(op: str) -> str:
+    feature = _feature_reading_weights()
+    what = f"{feature} needs" if feature else f"torch operation {op!r} needs"
+    return (
+        f"{what} the values of a frozen base weight, but in split execution the base "
+        "weights stay on the base executor and the client holds only a placeholder. "
+        "Use a PEFT method that only adds to the base layer's output or scales its "
+        "input/output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning); "
+        "see docs/compatibility.md"
+    )
+
+
+def _feature_reading_weights() -> str | None:
+    frame = inspect.currentframe()
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module in _WEIGHT_READERS:
+            return _WEIGHT_READERS[module]
+        if module.startswith("peft.") and frame.f_code.co_name in _WEIGHT_READER_FUNCTIONS:
+            return _WEIGHT_READER_FUNCTIONS[frame.f_code.co_name]
+        frame = frame.f_back
+    return None
+
+
+def _zero_storage(shape, dtype, device) -> RemoteWeight:
+    """A frozen parameter of `shape` backed by a single element."""
+    scalar = torch.zeros((), dtype=dtype, device=device)
+    return RemoteWeight(scalar.expand(shape), requires_grad=False)
+
+
+def make_virt_layer(
+    original: nn.Module, executor: Executor, spec: LayerSpec, dtype, device
+) -> VirtLayer:
+    cls = VirtConv1D if isinstance(original, Conv1D) else VirtLinear
+    return cls(executor, spec, dtype, device)

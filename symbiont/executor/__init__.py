@@ -1,0 +1,6 @@
+"""The base executor side: frozen linear weights served to clients."""
+
+from symbiont.executor.base import BaseExecutor
+from symbiont.executor.interface import Executor, ExecutorError, Manifest, Op
+
+__all__ = ["BaseExecutor", "Executor", "ExecutorError", "Manifest", "Op"]
