@@ -8,7 +8,7 @@ architecture whose projections are `nn.Linear` or `transformers` `Conv1D` works.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 BASE_LAYER_TYPES = (nn.Linear, Conv1D)
 
 
-class LayerKind(str, Enum):
+class LayerKind(StrEnum):
     LINEAR = "linear"  # weight [out, in], y = x Wᵀ + b
     CONV1D = "conv1d"  # weight [in, out], y = x W + b (GPT-2 style)
 
