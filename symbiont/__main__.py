@@ -1,0 +1,5 @@
+import sys
+
+from symbiont.cli import main
+
+sys.exit(main())
