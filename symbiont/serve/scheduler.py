@@ -1,0 +1,101 @@
+"""Iteration-level scheduling with chunked prefill (Orca, Sarathi; FlexLLM 6.2).
+
+Every iteration: each running sequence that is decoding gets one token, then prefills
+(running ones first, then newly admitted ones in arrival order) get chunks of what is
+left of the token budget. A sequence is admitted only when KV blocks for its prompt
+and all of its `max_tokens` can be reserved, so a running sequence is never preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from symbiont.serve.config import EngineConfig
+from symbiont.serve.kv_cache import PagedKVCache
+from symbiont.serve.sequence import SeqStatus, Sequence
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_queue`; retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    n_tokens: int  # tokens of this sequence computed this iteration (1 when decoding)
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed + self.n_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: PagedKVCache, max_model_len: int):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seqs: list[Sequence]) -> None:
+        if len(self.waiting) + len(seqs) > self.config.max_queue:
+            raise QueueFull(
+                f"the request queue is full ({len(self.waiting)} waiting, max_queue="
+                f"{self.config.max_queue}); retry later"
+            )
+        self.waiting.extend(seqs)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_batched_tokens
+        batch = [ScheduledSeq(s, 1) for s in self.running if s.num_pending == 1]
+        budget -= len(batch)
+        for seq in self.running:
+            if seq.num_pending > 1 and budget > 0:
+                batch.append(ScheduledSeq(seq, min(seq.num_pending, budget)))
+                budget -= batch[-1].n_tokens
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+            seq = self.waiting.popleft()
+            batch.append(ScheduledSeq(seq, min(seq.num_pending, budget)))
+            budget -= batch[-1].n_tokens
+        return batch
+
+    def _admit(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.config.max_running:
+            return False
+        need = self.kv_cache.blocks_for(self.reserved_len(seq))
+        if not self.kv_cache.allocator.can_allocate(need):
+            return False
+        seq.blocks = self.kv_cache.allocator.allocate(need)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def reserved_len(self, seq: Sequence) -> int:
+        return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished (or aborted) sequence and free its KV blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
