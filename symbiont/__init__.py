@@ -2,15 +2,8 @@
 
 from symbiont.checkpoint import CheckpointError
 from symbiont.client import load_client
+from symbiont.default_model import default_model
 from symbiont.executor import BaseExecutor, Executor, ExecutorError
-
-
-def default_model(*args, **kwargs):
-    """Path of the embedded default checkpoint, built locally on first use."""
-    from symbiont.default_model import default_model as build
-
-    return build(*args, **kwargs)
-
 
 __all__ = [
     "BaseExecutor",

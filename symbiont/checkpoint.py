@@ -116,7 +116,8 @@ class Checkpoint:
         (another model, another fine-tune, another dtype) at a fixed cost.
         """
         digest = hashlib.sha256()
-        digest.update(json.dumps(self.config.to_diff_dict(), sort_keys=True, default=str).encode())
+        config = json.loads((self.path / "config.json").read_text())
+        digest.update(json.dumps(config, sort_keys=True).encode())
         for file in sorted(set(self.tensor_files.values())):
             digest.update(_file_digest(file))
         return digest.hexdigest()[:32]

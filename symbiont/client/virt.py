@@ -140,6 +140,12 @@ _READ_FREE = frozenset(
         "__get__",
         "__set__",
         "__reduce_ex__",
+        "untyped_storage",
+        "data_ptr",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "get_device",
     }
 )
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
