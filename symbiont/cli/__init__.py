@@ -9,7 +9,7 @@ import logging
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ["demo"]
+SUBCOMMANDS = ["demo", "finetune", "generate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

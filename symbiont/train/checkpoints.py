@@ -1,0 +1,154 @@
+"""Atomic checkpoints and the final adapter.
+
+An output folder looks like::
+
+    out/
+      adapter_config.json          final adapter (standard PEFT folder at the root)
+      adapter_model.safetensors
+      metrics.jsonl
+      checkpoint-000100/           adapter + optimizer + scheduler + RNG + step
+      checkpoint-000200/
+
+A checkpoint is written into a hidden staging folder, flushed to disk, and renamed into
+place in one step, so a kill at any moment leaves either the complete checkpoint or none.
+The root adapter's files are each replaced atomically, weights first and config last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+CHECKPOINT_PREFIX = "checkpoint-"
+STAGING_PREFIX = ".staging-"
+STATE_FILE = "trainer_state.json"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # config last marks done
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where a run is: after `step` optimizer steps, having trained on `tokens` tokens."""
+
+    step: int
+    tokens: int
+    config: dict  # TrainConfig.as_record() of the run that wrote it
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints in `out`, oldest first."""
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and p.is_dir()]
+    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: p.name)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def save_checkpoint(model, optimizer, scheduler, state: TrainState, out: Path, keep: int) -> Path:
+    """Write checkpoint-<step> atomically, then delete all but the newest `keep` (0: keep all)."""
+    target = checkpoint_dir(out, state.step)
+    with _staging(out) as staging:
+        model.save_pretrained(staging)
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        torch.save(torch.get_rng_state(), staging / "rng.pt")
+        _write_json(staging / STATE_FILE, asdict(state))
+        _fsync_tree(staging)
+        if target.exists():  # a rerun of the same step: replace it whole
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    _fsync_dir(out)
+    _prune(out, keep)
+    return target
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> TrainState:
+    """Restore adapter weights, optimizer, scheduler and RNG; return the saved state."""
+    weights = load_file(str(path / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if k]
+    if missing:
+        raise RuntimeError(f"{path}: adapter has tensors this model lacks: {missing[:5]}")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return TrainState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+
+
+def publish_adapter(model, out: Path) -> None:
+    """Put the adapter at the root of `out` as a standard PEFT folder, file by file atomically."""
+    with _staging(out) as staging:
+        model.save_pretrained(staging)
+        _fsync_tree(staging)
+        extras = [p for p in staging.iterdir() if p.name not in ADAPTER_FILES]
+        for path in [*extras, *(staging / name for name in ADAPTER_FILES)]:
+            if path.exists():
+                os.replace(path, out / path.name)
+    _fsync_dir(out)
+
+
+def remove_abandoned_staging(out: Path) -> None:
+    """Staging folders left by a killed run are incomplete by construction."""
+    if out.is_dir():
+        for leftover in out.iterdir():
+            if leftover.name.startswith(STAGING_PREFIX):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+class _staging:
+    """A fresh hidden folder in `out`, removed on exit unless it was renamed away."""
+
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _prune(out: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    for old in list_checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=2, sort_keys=True), encoding="utf-8")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,253 @@
+"""The training loop behind `symbiont finetune`: AdamW, gradient accumulation, a learning
+rate schedule, periodic eval loss, metrics as JSONL, atomic checkpoints and exact resume.
+
+Exact resume rests on three things: the batch order is a pure function of (seed, epoch),
+so micro-batch k is the same batch in every run; the optimizer, scheduler and torch RNG
+(dropout) states are saved with each checkpoint; and the adapter weights are saved in
+their own dtype. A resumed run therefore takes bit-for-bit the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from symbiont.train.checkpoints import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    publish_adapter,
+    remove_abandoned_staging,
+    save_checkpoint,
+)
+from symbiont.train.config import TrainConfig
+from symbiont.train.data import Example, collate
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int
+    final_loss: float  # mean training loss of the last logged window
+    eval_loss: float | None
+    tokens: int  # non-padding training tokens processed in this process
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def batch_indices(config: TrainConfig, n_examples: int, micro_step: int) -> list[int]:
+    """Example indices of global micro-batch `micro_step`: a seeded shuffle per epoch."""
+    per_epoch = config.batches_per_epoch(n_examples)
+    epoch, position = divmod(micro_step, per_epoch)
+    generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+    order = torch.randperm(n_examples, generator=generator)
+    return order[position * config.batch_size : (position + 1) * config.batch_size].tolist()
+
+
+def make_optimizer(model, config: TrainConfig):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters; attach a PEFT adapter first")
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return optimizer, params
+
+
+def make_scheduler(optimizer, config: TrainConfig, total_steps: int):
+    return get_scheduler(
+        config.schedule,
+        optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=total_steps,
+    )
+
+
+def train(
+    model,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    out: str | Path,
+    *,
+    pad_token_id: int,
+    eval_examples: Sequence[Example] = (),
+    resume: bool = False,
+    progress: bool = True,
+    on_step: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train the trainable parameters of `model` (a PEFT model) and write the adapter to `out`."""
+    run = _Run(model, list(examples), list(eval_examples), config, Path(out), pad_token_id)
+    run.start(resume)
+    return run.loop(progress, on_step)
+
+
+class _Run:
+    """State of one training run; methods are the loop's steps."""
+
+    def __init__(self, model, examples, eval_examples, config, out, pad_token_id):
+        if not examples:
+            raise ValueError("no training examples")
+        self.model, self.examples, self.eval_examples = model, examples, eval_examples
+        self.config, self.out, self.pad = config, out, pad_token_id
+        self.total = config.total_steps(len(examples))
+        self.optimizer, self.params = make_optimizer(model, config)
+        self.scheduler = make_scheduler(self.optimizer, config, self.total)
+        self.state = TrainState(step=0, tokens=0, config=config.as_record())
+        self.eval_loss: float | None = None
+
+    def start(self, resume: bool) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        remove_abandoned_staging(self.out)
+        checkpoint = latest_checkpoint(self.out) if resume else None
+        if resume and checkpoint is None:
+            log.info("--resume: no checkpoint in %s yet, starting from step 0", self.out)
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        else:
+            torch.manual_seed(self.config.seed)
+        _truncate_metrics(self.out / METRICS_FILE, self.state.step)
+
+    def _restore(self, checkpoint: Path) -> None:
+        saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
+        conflicts = self.config.resume_conflicts(saved.config)
+        if conflicts:
+            raise ValueError(
+                f"cannot resume from {checkpoint}: the training settings changed "
+                f"({'; '.join(conflicts)}); rerun with the original settings or use a new --out"
+            )
+        self.state = saved
+        log.info("resumed from %s (step %d of %d)", checkpoint, saved.step, self.total)
+
+    def loop(self, progress: bool, on_step) -> TrainResult:
+        bar = _progress_bar(self.total, self.state.step, progress)
+        self.model.train()
+        started, window_tokens, window_start, losses = (
+            time.perf_counter(),
+            0,
+            time.perf_counter(),
+            [],
+        )
+        tokens_here, last_loss = 0, float("nan")
+        while self.state.step < self.total:
+            loss, tokens = self._optimizer_step()
+            step = self.state.step + 1
+            self.state = TrainState(step, self.state.tokens + tokens, self.state.config)
+            losses.append(loss)
+            window_tokens += tokens
+            tokens_here += tokens
+            if step % self.config.log_every == 0 or step == self.total:
+                now = time.perf_counter()
+                last_loss = sum(losses) / len(losses)
+                record = self._record(
+                    step, last_loss, window_tokens / max(now - window_start, 1e-9)
+                )
+                self._maybe_eval(step, record)
+                self._log(record, bar, on_step)
+                window_tokens, window_start, losses = 0, now, []
+            self._maybe_save(step)
+            bar.update(1)
+        bar.close()
+        publish_adapter(self.model, self.out)
+        seconds = time.perf_counter() - started
+        return TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, seconds)
+
+    def _optimizer_step(self) -> tuple[float, int]:
+        """One optimizer step over grad_accum micro-batches; returns (mean loss, tokens)."""
+        accum, total_loss, tokens = self.config.grad_accum, 0.0, 0
+        for micro in range(accum):
+            index = self.state.step * accum + micro
+            batch = collate(self._batch(index), self.pad)  # each [batch, longest]
+            loss = self.model(**batch).loss
+            (loss / accum).backward()
+            total_loss += loss.item()
+            tokens += int(batch["attention_mask"].sum())
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss / accum, tokens
+
+    def _batch(self, micro_step: int) -> list[Example]:
+        indices = batch_indices(self.config, len(self.examples), micro_step)
+        return [self.examples[i] for i in indices]
+
+    def _record(self, step: int, loss: float, tokens_per_s: float) -> dict:
+        per_epoch = self.config.batches_per_epoch(len(self.examples))
+        return {
+            "step": step,
+            "epoch": round(step * self.config.grad_accum / per_epoch, 4),
+            "loss": round(loss, 6),
+            "lr": self.scheduler.get_last_lr()[0],
+            "tokens": self.state.tokens,
+            "tokens_per_s": round(tokens_per_s, 1),
+        }
+
+    def _maybe_eval(self, step: int, record: dict) -> None:
+        every = self.config.eval_every
+        if self.eval_examples and ((every and step % every == 0) or step == self.total):
+            self.eval_loss = evaluate(self.model, self.eval_examples, self.config, self.pad)
+            record["eval_loss"] = round(self.eval_loss, 6)
+
+    def _log(self, record: dict, bar, on_step) -> None:
+        with open(self.out / METRICS_FILE, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+        if "eval_loss" in record:
+            postfix["eval"] = f"{record['eval_loss']:.4f}"
+        bar.set_postfix(postfix, refresh=False)
+        if on_step is not None:
+            on_step(record)
+
+    def _maybe_save(self, step: int) -> None:
+        every = self.config.save_every
+        if (every and step % every == 0) or step == self.total:
+            save_checkpoint(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.state,
+                self.out,
+                self.config.save_total_limit,
+            )
+
+
+def evaluate(model, examples: Sequence[Example], config: TrainConfig, pad_token_id: int) -> float:
+    """Mean loss per predicted token over `examples`, in eval mode and without gradients."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(examples), config.batch_size):
+            batch = collate(examples[start : start + config.batch_size], pad_token_id)
+            n = int((batch["labels"][:, 1:] != -100).sum())  # tokens the loss averages over
+            total += model(**batch).loss.item() * n
+            count += n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records past `step` (written by a run killed after its last checkpoint)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)

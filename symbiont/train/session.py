@@ -1,0 +1,49 @@
+"""Opening what a tenant process needs: an executor (in-process or remote), the client
+model over it, and the checkpoint's tokenizer. Shared by `finetune`, `generate` and `demo`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import symbiont
+from symbiont.executor import Executor
+
+
+def open_executor(model_dir: str | os.PathLike, url: str | None, *, dtype=None) -> Executor:
+    """`symbiont.connect(url)` for a remote base (`symbiont serve-base`), else an
+    in-process BaseExecutor loaded from `model_dir`."""
+    if url is None:
+        return symbiont.BaseExecutor.from_pretrained(model_dir, dtype=dtype)
+    connect = getattr(symbiont, "connect", None)
+    if connect is None:
+        raise RuntimeError(
+            f"--executor {url}: this symbiont build has no remote transport (symbiont.connect); "
+            "leave out --executor to run the base in this process"
+        )
+    return connect(url)
+
+
+def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None):
+    """The client model (frozen linear layers on `executor`) with its tokenizer."""
+    model = symbiont.load_client(model_dir, executor, device=device, dtype=dtype)
+    return model, load_tokenizer(model_dir)
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"no tokenizer in {model_dir} ({err}); symbiont needs the checkpoint folder "
+            "to include its tokenizer files"
+        ) from err
+
+
+def set_threads(threads: int | None) -> None:
+    """Limit intra-op threads (useful when several clients share a few cores)."""
+    if threads:
+        torch.set_num_threads(threads)
