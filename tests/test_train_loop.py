@@ -1,0 +1,222 @@
+"""The training loop: exact resume, atomic checkpoints, adapters vanilla peft reproduces,
+and transformers.Trainer running on a client unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import symbiont
+from symbiont.default_model import default_dataset
+from symbiont.train import (
+    AdapterSpec,
+    TrainConfig,
+    build_peft_config,
+    latest_checkpoint,
+    list_checkpoints,
+    load_examples,
+    load_peft_config,
+    pad_id,
+    train,
+)
+from symbiont.train import checkpoints as ckpt
+from symbiont.train.session import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from symbiont.default_model import default_model
+
+    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls are far faster on one thread than two busy ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def executor(model_dir):
+    return symbiont.BaseExecutor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def examples(model_dir):
+    return load_examples(default_dataset(), load_tokenizer(model_dir), max_length=64)[:24]
+
+
+# LoRA dropout on, so resume must also restore the RNG to be exact.
+SPEC = AdapterSpec(method="lora", r=4, dropout=0.1, target="all-linear")
+CONFIG = TrainConfig(max_steps=6, batch_size=2, grad_accum=2, lr=1e-3, save_every=2, seed=3)
+
+
+def client(model_dir, executor, spec=SPEC, seed=0):
+    torch.manual_seed(seed)
+    return peft.get_peft_model(symbiont.load_client(model_dir, executor), build_peft_config(spec))
+
+
+def run(model, examples, out, config=CONFIG, **kw):
+    return train(model, examples, config, out, pad_token_id=0, progress=False, **kw)
+
+
+def adapter_tensors(folder):
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_at(step):
+    def on_step(record):
+        if record["step"] == step:
+            raise Interrupt
+
+    return on_step
+
+
+def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(
+    model_dir, executor, examples, tmp_path
+):
+    full = run(client(model_dir, executor), examples, tmp_path / "full")
+
+    with pytest.raises(Interrupt):  # killed during step 5, after checkpoint-4
+        run(client(model_dir, executor), examples, tmp_path / "cut", on_step=interrupt_at(5))
+    assert latest_checkpoint(tmp_path / "cut").name == "checkpoint-000004"
+    # A different init proves the weights come from the checkpoint, not from seeding.
+    resumed = run(client(model_dir, executor, seed=99), examples, tmp_path / "cut", resume=True)
+
+    assert resumed.steps == full.steps == 6
+    want, got = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name} differs after resume"
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6], "metrics must not repeat or skip steps across a resume"
+
+
+def test_resume_refuses_changed_settings(model_dir, executor, examples, tmp_path):
+    run(client(model_dir, executor), examples, tmp_path, config=TrainConfig(max_steps=2))
+    with pytest.raises(ValueError, match=r"lr: checkpoint 0.0002, now 0.1"):
+        run(
+            client(model_dir, executor),
+            examples,
+            tmp_path,
+            config=TrainConfig(max_steps=4, lr=0.1),
+            resume=True,
+        )
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_checkpoint(
+    model_dir, executor, examples, tmp_path, monkeypatch
+):
+    run(client(model_dir, executor), examples, tmp_path, config=TrainConfig(max_steps=2))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-000002"]
+
+    def dies_midway(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", dies_midway)  # adapter written, optimizer not
+    model = client(model_dir, executor)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(model, optimizer, None, ckpt.TrainState(3, 0, {}), tmp_path, keep=2)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == [
+        "checkpoint-000002"
+    ], "a failed write must leave no checkpoint folder behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(ckpt.STAGING_PREFIX)]
+
+
+def test_abandoned_staging_folder_is_ignored_and_removed(model_dir, executor, examples, tmp_path):
+    staging = tmp_path / f"{ckpt.STAGING_PREFIX}killed"
+    (staging / "half").mkdir(parents=True)
+    (tmp_path / "checkpoint-000009").mkdir()  # no trainer_state.json: incomplete
+    assert latest_checkpoint(tmp_path) is None
+    run(client(model_dir, executor), examples, tmp_path, config=TrainConfig(max_steps=1))
+    assert not staging.exists()
+
+
+def test_saved_adapter_reproduces_outputs_in_vanilla_peft(model_dir, executor, examples, tmp_path):
+    model = client(model_dir, executor)
+    run(model, examples, tmp_path, config=TrainConfig(max_steps=3, lr=1e-2))
+    assert (tmp_path / "adapter_config.json").is_file()
+    vanilla = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir), tmp_path
+    ).eval()
+    ids = torch.tensor([list(examples[0].input_ids)])
+    with torch.no_grad():
+        assert torch.equal(vanilla(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("method", ["ia3", "prefix"])
+def test_other_methods_train_and_lower_the_loss(model_dir, executor, examples, tmp_path, method):
+    model = client(model_dir, executor, AdapterSpec(method=method, virtual_tokens=4))
+    config = TrainConfig(max_steps=8, lr=3e-2, batch_size=4, schedule="constant", log_every=4)
+    records = []
+    run(model, examples, tmp_path, config=config, on_step=records.append)
+    assert records[-1]["loss"] < records[0]["loss"], records
+
+
+def test_peft_config_from_json_file(tmp_path):
+    peft.LoraConfig(r=3, target_modules=["q_proj"]).save_pretrained(tmp_path)
+    config = load_peft_config(tmp_path / "adapter_config.json")
+    assert isinstance(config, peft.LoraConfig) and config.r == 3
+    (tmp_path / "bad.json").write_text('{"r": 3}')
+    with pytest.raises(ValueError, match="peft_type"):
+        load_peft_config(tmp_path / "bad.json")
+
+
+def test_transformers_trainer_runs_on_a_client_unchanged(model_dir, executor, examples, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from symbiont.train import collate
+
+    model = client(model_dir, executor, AdapterSpec(method="lora", r=4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=list(examples),
+        data_collator=lambda rows: collate(rows, 0),
+    )
+    trainer.train()
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not p.equal(before[n])]
+    assert changed, "Trainer did not update the adapter"
+
+
+def test_grad_accum_equals_a_bigger_batch_of_equal_length_rows(model_dir, executor, tmp_path):
+    # Equal-length rows, so averaging per micro-batch equals averaging over the whole batch.
+    from symbiont.train import Example
+
+    rows = [Example(tuple(range(5 + i, 13 + i)), tuple(range(5 + i, 13 + i))) for i in range(4)]
+    one = client(model_dir, executor, AdapterSpec(r=4))
+    two = client(model_dir, executor, AdapterSpec(r=4))
+    run(one, rows, tmp_path / "a", config=TrainConfig(max_steps=1, batch_size=4, lr=1e-2))
+    run(two, rows, tmp_path / "b", config=TrainConfig(max_steps=1, batch_size=2, grad_accum=2, lr=1e-2))  # fmt: skip
+    a, b = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_pad_id_falls_back_to_eos(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    assert pad_id(tokenizer) == tokenizer.pad_token_id
