@@ -63,7 +63,9 @@ def test_chat_messages_take_loss_on_assistant_turns_only(tokenizer, tmp_path):
     (example,) = load_examples(path, tokenizer, max_length=256)
     full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert list(example.input_ids) == list(full), "chat records must use the chat template"
-    learned = tokenizer.decode([t for t, lab in zip(example.input_ids, example.labels) if lab >= 0])
+    learned = tokenizer.decode(
+        [t for t, lab in zip(example.input_ids, example.labels, strict=True) if lab >= 0]
+    )
     assert "hello" in learned and "see you" in learned
     assert "hi" not in learned and "bye" not in learned and "brief" not in learned, learned
 

@@ -100,7 +100,10 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), f"{name} differs after resume"
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [1, 2, 3, 4, 5, 6], "metrics must not repeat or skip steps across a resume"
 
 
