@@ -1,0 +1,191 @@
+"""`symbiont finetune` and `symbiont generate` as a user drives them: in-process for speed,
+plus one killed-subprocess resume and one remote-executor run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from symbiont.cli import build_parser, main
+from symbiont.default_model import default_dataset
+from symbiont.train.session import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Q: What is 20 plus 19?\nA:"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from symbiont.default_model import default_model
+
+    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    lines = default_dataset().read_text().splitlines()
+    folder = tmp_path_factory.mktemp("data")
+    (folder / "train.jsonl").write_text("\n".join(lines[:40]) + "\n")
+    (folder / "eval.jsonl").write_text("\n".join(lines[40:46]) + "\n")
+    return folder
+
+
+def finetune_args(model_dir, data, out, *extra):
+    return [
+        "finetune", "--model", str(model_dir), "--data", str(data / "train.jsonl"),
+        "--out", str(out), "--target", "all-linear", "--r", "4", "--lr", "1e-2",
+        "--threads", "1", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def generate_args(model_dir, *extra):
+    return ["generate", "--model", str(model_dir), "--prompt", PROMPT, "--threads", "1", *extra]
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    for name in ("finetune", "generate"):
+        for action in subparsers.choices[name]._actions:
+            assert action.help, f"{name} {action.option_strings} has no help text"
+
+
+def test_finetune_writes_adapter_metrics_and_eval_loss(model_dir, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = finetune_args(model_dir, data, out, "--max-steps", "4", "--eval-every", "2")
+    assert main([*args, "--eval-data", str(data / "eval.jsonl")]) == 0
+    assert "trained 4 steps" in capsys.readouterr().out
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+    assert all(r["tokens_per_s"] > 0 for r in records)
+
+    assert main(generate_args(model_dir, "--adapter", str(out), "--max-new-tokens", "6")) == 0
+    plain = capsys.readouterr().out
+    assert main(generate_args(model_dir, "--adapter", str(out), "--max-new-tokens", "6", "--stream")) == 0  # fmt: skip
+    assert capsys.readouterr().out == plain, "streamed and non-streamed output must agree"
+
+
+def test_any_peft_config_json_is_accepted(model_dir, data, tmp_path):
+    peft.IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]).save_pretrained(tmp_path / "cfg")  # fmt: skip
+    out = tmp_path / "run"
+    args = finetune_args(model_dir, data, out, "--max-steps", "1")
+    assert main([*args, "--peft-config", str(tmp_path / "cfg" / "adapter_config.json")]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "IA3"
+
+
+def test_bad_data_line_is_reported_with_file_and_line(model_dir, tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text('{"text": "ok"}\n{"prompt": 1, "completion": "x"}\n')
+    code = main(finetune_args(model_dir, tmp_path, tmp_path / "out", "--max-steps", "1"))
+    assert code == 1
+    assert (
+        f"{tmp_path / 'train.jsonl'}:2: field 'prompt' must be a string" in capsys.readouterr().err
+    )
+
+
+def test_adapter_made_with_vanilla_peft_runs_in_generate(model_dir, tmp_path, capsys):
+    torch.manual_seed(0)
+    vanilla = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    vanilla.save_pretrained(tmp_path / "adapter")
+    tokenizer = load_tokenizer(model_dir)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        want = vanilla.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = tokenizer.decode(want[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert main(generate_args(model_dir, "--adapter", str(tmp_path / "adapter"), "--max-new-tokens", "8")) == 0  # fmt: skip
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def _run_cli(args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        ["timeout", "300", sys.executable, "-m", "symbiont", *args], env=env, cwd=REPO, **kw
+    )
+
+
+def test_killed_finetune_resumes_to_the_same_adapter(model_dir, data, tmp_path):
+    # save-total-limit 0 keeps every checkpoint, so we can see the kill came mid-run.
+    extra = [
+        "--max-steps",
+        "40",
+        "--save-every",
+        "3",
+        "--save-total-limit",
+        "0",
+        "--dropout",
+        "0.1",
+    ]
+    assert main(finetune_args(model_dir, data, tmp_path / "full", *extra)) == 0
+
+    cut = tmp_path / "cut"
+    process = _run_cli(finetune_args(model_dir, data, cut, *extra), stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (cut / "checkpoint-000006").is_dir() and process.poll() is None:
+            assert time.monotonic() < deadline, "finetune subprocess made no checkpoint"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)  # at any moment: possibly mid-checkpoint
+    finally:
+        process.kill()
+        process.wait()
+    assert not (cut / "checkpoint-000040").exists(), "the run finished before it was killed"
+    assert main([*finetune_args(model_dir, data, cut, *extra), "--resume"]) == 0
+    want = load_file(str(tmp_path / "full" / "adapter_model.safetensors"))
+    got = load_file(str(cut / "adapter_model.safetensors"))
+    assert all(torch.equal(want[k], got[k]) for k in want), "resumed adapter differs"
+
+
+def test_remote_executor(model_dir, data, tmp_path, capsys):
+    symbiont = pytest.importorskip("symbiont")
+    if not hasattr(symbiont, "connect"):
+        pytest.skip("symbiont.connect (remote transport) is not available")
+    ready = tmp_path / "ready.json"
+    server = _run_cli(
+        ["serve-base", "--model", str(model_dir), "--bind", "tcp://127.0.0.1:*",
+         "--ready-file", str(ready), "--threads", "1"],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.is_file():
+            assert server.poll() is None and time.monotonic() < deadline, "serve-base did not start"
+            time.sleep(0.1)
+        url = json.loads(ready.read_text())["endpoints"][0]
+        out = tmp_path / "run"
+        args = finetune_args(model_dir, data, out, "--max-steps", "2", "--executor", url)
+        assert main(args) == 0
+        capsys.readouterr()
+        gen = generate_args(model_dir, "--adapter", str(out), "--max-new-tokens", "6")
+        assert main([*gen, "--executor", url]) == 0
+        remote = capsys.readouterr().out
+        assert main(gen) == 0
+        assert remote == capsys.readouterr().out, "remote and in-process executors disagree"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
