@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import symbiont
 from symbiont import BaseExecutor
 from tests.tiny_models import ARCHS, build_checkpoint
 
@@ -26,8 +27,45 @@ def _in_process(path):
     return BaseExecutor.from_pretrained(path)
 
 
+# serve-base processes started by the remote transports, one per checkpoint, stopped at
+# the end of the session (and by themselves if pytest dies: they watch its pid).
+_SERVERS: dict = {}
+# The remote transports run the exactness matrix on these architectures only (Linear and
+# Conv1D projections, GQA), to keep CI fast; tests/test_service_*.py cover the rest.
+REMOTE_ARCHS = ("llama", "gpt2")
+
+
+def _server(path):
+    from symbiont.service.process import ServerProcess
+
+    if path not in _SERVERS:
+        _SERVERS[path] = ServerProcess(path, args=("--threads", "1")).start()
+    return _SERVERS[path]
+
+
+def _remote(scheme, mode):
+    def open_remote(path):
+        if not any(path.name.startswith(arch) for arch in REMOTE_ARCHS):
+            pytest.skip(f"remote transports run the matrix on {REMOTE_ARCHS} only (CI time)")
+        return symbiont.connect(_server(path).url(scheme), mode=mode, checkpoint=path)
+
+    return open_remote
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_servers():
+    yield
+    for server in _SERVERS.values():
+        server.stop()
+
+
 # Every way of reaching an executor; the conformance suite runs against each.
-TRANSPORTS = {"inprocess": _in_process}
+TRANSPORTS = {
+    "inprocess": _in_process,
+    "tcp": _remote("tcp", "zmq"),
+    "ipc": _remote("ipc", "zmq"),
+    "shm": _remote("ipc", "shm"),
+}
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))

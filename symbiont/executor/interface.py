@@ -29,6 +29,10 @@ class ExecutorError(RuntimeError):
     """A base-layer call was refused or failed; the message says what to fix."""
 
 
+class ExecutorUnavailable(ExecutorError):
+    """The base executor could not be reached, or stopped answering, within the timeouts."""
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What an executor serves: which checkpoint, in which dtype, which layers."""

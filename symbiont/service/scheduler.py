@@ -1,0 +1,165 @@
+"""Per-layer queues and the policies that decide which layer runs next (Symbiosis 3.7).
+
+The executor is stateless per call (3.6), so calls of one layer from any clients, in
+either direction, may run in one visit of that layer: forward calls are concatenated
+along the token dimension into one matmul, backward calls into another, and the
+results are split back per call. No padding: calls are [n_tokens, width] already.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from symbiont.executor.interface import Op
+from symbiont.service.config import BatchingPolicy, PolicyKind
+
+
+@dataclass(eq=False)
+class Session:
+    """One connected client, as the executor sees it."""
+
+    key: bytes  # ZeroMQ routing id of its connection
+    label: str
+    pid: int
+    host: str
+    endpoint: str
+    connected_at: float
+    segment: object = None  # shm.Segment once the client attached shared memory
+    seen_seq: int = 0  # last shared-memory request sequence number taken
+    waiting: bool = False  # has a call queued or running
+    last_reply: float = 0.0  # monotonic time its last call was answered
+    last_seen: float = 0.0
+    calls: int = 0
+    tokens: int = 0
+
+
+@dataclass(eq=False)
+class Call:
+    """One queued layer call. x [n_tokens, in] for FORWARD, [n_tokens, out] for BACKWARD."""
+
+    session: Session
+    call_id: int
+    op: Op
+    layer: int
+    x: torch.Tensor
+    arrived: float
+    via_shm: bool = False
+    frames: list = field(default_factory=list)  # keeps received buffers alive
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+
+class Scheduler:
+    """Queues calls per layer; `pop_ready` hands out the next batch under the policy."""
+
+    def __init__(self, policy: BatchingPolicy, sessions: dict[bytes, Session]):
+        self.policy = policy
+        self.sessions = sessions
+        self.queues: dict[int, list[Call]] = {}
+        self.fifo: deque[Call] = deque()  # arrival order, for no-lockstep
+        self.deadline: dict[int, float] = {}  # layer -> when its most impatient call is due
+        self.lockstep_timeout_s = max(policy.max_wait_s, 1.0)
+
+    def __len__(self) -> int:
+        return len(self.fifo)
+
+    def submit(self, call: Call) -> None:
+        call.session.waiting = True
+        self.fifo.append(call)
+        queue = self.queues.setdefault(call.layer, [])
+        queue.append(call)
+        due = call.arrived + self.policy.wait_for(call.tokens)
+        self.deadline[call.layer] = min(self.deadline.get(call.layer, due), due)
+
+    def pop_ready(self, now: float) -> list[Call] | None:
+        """The calls of one layer to run now, or None if the policy says wait."""
+        if not self.fifo:
+            return None
+        kind = self.policy.kind
+        if kind is PolicyKind.NO_LOCKSTEP:
+            return self._take(self.fifo[0].layer, limit=1)
+        layer = self._lockstep(now) if kind is PolicyKind.LOCKSTEP else self._opportunistic(now)
+        return None if layer is None else self._take(layer)
+
+    def next_wake(self, now: float) -> float | None:
+        """Seconds until a waiting queue may become due (None: nothing waits)."""
+        if not self.fifo:
+            return None
+        if self.policy.kind is PolicyKind.LOCKSTEP:
+            return max(0.0, self.fifo[0].arrived + self.lockstep_timeout_s - now)
+        return max(0.0, min(self.deadline.values()) - now)
+
+    def drop_session(self, session: Session) -> None:
+        """Forget the queued calls of a client that left."""
+        for layer in list(self.queues):
+            rest = [c for c in self.queues[layer] if c.session is not session]
+            self.queues.pop(layer)
+            self.deadline.pop(layer)
+            if rest:
+                self._requeue(layer, rest)
+        self.fifo = deque(c for c in self.fifo if c.session is not session)
+
+    # -- policies -------------------------------------------------------------
+
+    def _opportunistic(self, now: float) -> int | None:
+        if not self._others_expected(now, self.policy.max_wait_s):
+            return min(self.deadline, key=self.deadline.get)
+        layer = min(self.deadline, key=self.deadline.get)
+        if self.deadline[layer] <= now:
+            return layer
+        for layer, queue in self.queues.items():
+            if sum(c.tokens for c in queue) >= self.policy.max_batch_tokens:
+                return layer
+        return None
+
+    def _lockstep(self, now: float) -> int | None:
+        oldest = self.fifo[0]
+        if now - oldest.arrived >= self.lockstep_timeout_s:
+            return oldest.layer
+        active = self._active(now)
+        for layer, queue in self.queues.items():
+            if active <= {c.session for c in queue}:
+                return layer
+        if not self._others_expected(now, self.lockstep_timeout_s):
+            # Everyone waits, at different layers: nobody can catch up, run the fullest.
+            return max(self.queues, key=lambda layer: len(self.queues[layer]))
+        return None
+
+    def _active(self, now: float) -> set[Session]:
+        window = self.lockstep_timeout_s
+        return {s for s in self.sessions.values() if s.waiting or now - s.last_reply < window}
+
+    def _others_expected(self, now: float, window: float) -> bool:
+        """Could a client that is not waiting send a call soon? (it did within `window`)"""
+        return any(not s.waiting and now - s.last_reply < window for s in self.sessions.values())
+
+    # -- queue bookkeeping ----------------------------------------------------
+
+    def _take(self, layer: int, limit: int | None = None) -> list[Call]:
+        """Remove and return calls of `layer` (up to `limit` or `max_batch_tokens`)."""
+        queue = self.queues.pop(layer)
+        self.deadline.pop(layer)
+        taken, rest, tokens = [], [], 0
+        for call in queue:
+            full = (limit is not None and len(taken) >= limit) or (
+                taken and tokens + call.tokens > self.policy.max_batch_tokens
+            )
+            if full:
+                rest.append(call)
+            else:
+                taken.append(call)
+                tokens += call.tokens
+        if rest:
+            self._requeue(layer, rest)
+        gone = set(map(id, taken))
+        self.fifo = deque(c for c in self.fifo if id(c) not in gone)
+        return taken
+
+    def _requeue(self, layer: int, calls: list[Call]) -> None:
+        self.queues[layer] = calls
+        self.deadline[layer] = min(c.arrived + self.policy.wait_for(c.tokens) for c in calls)

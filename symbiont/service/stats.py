@@ -1,0 +1,74 @@
+"""Live statistics of the executor service, reported by `symbiont stats URL`."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
+
+
+@dataclass
+class LayerStats:
+    batches: int = 0
+    calls: int = 0
+    tokens: int = 0
+    queue_wait_s: float = 0.0  # summed over calls: from arrival to the start of its batch
+    compute_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        batches, calls = max(self.batches, 1), max(self.calls, 1)
+        return {
+            "batches": self.batches,
+            "calls": self.calls,
+            "tokens": self.tokens,
+            "mean_batch_calls": self.calls / batches,
+            "mean_batch_tokens": self.tokens / batches,
+            "mean_queue_wait_ms": 1e3 * self.queue_wait_s / calls,
+            "mean_compute_ms": 1e3 * self.compute_s / batches,
+        }
+
+
+class Stats:
+    """Counters updated once per batch; cheap enough for the hot path."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.layers: dict[int, LayerStats] = {}
+        self.started = time.monotonic()
+        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent batches
+        self.refused = 0
+        self.errors = 0
+
+    def record(self, layer: int, calls: int, tokens: int, waited_s: float, compute_s: float):
+        entry = self.layers.get(layer)
+        if entry is None:
+            entry = self.layers[layer] = LayerStats()
+        entry.batches += 1
+        entry.calls += calls
+        entry.tokens += tokens
+        entry.queue_wait_s += waited_s
+        entry.compute_s += compute_s
+        now = time.monotonic()
+        self.recent.append((now, tokens))
+        while self.recent and self.recent[0][0] < now - WINDOW_S:
+            self.recent.popleft()
+
+    def snapshot(self, sessions: list[dict], policy: dict) -> dict:
+        now = time.monotonic()
+        total = LayerStats()
+        for entry in self.layers.values():
+            for name in ("batches", "calls", "tokens", "queue_wait_s", "compute_s"):
+                setattr(total, name, getattr(total, name) + getattr(entry, name))
+        span = min(WINDOW_S, now - self.started) or 1.0
+        return {
+            "uptime_s": now - self.started,
+            "policy": policy,
+            "clients": sessions,
+            "tokens_per_s": sum(t for when, t in self.recent if when >= now - span) / span,
+            "refused": self.refused,
+            "errors": self.errors,
+            "total": total.to_dict(),
+            "layers": {self.names[i]: e.to_dict() for i, e in sorted(self.layers.items())},
+        }

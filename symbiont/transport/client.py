@@ -1,0 +1,383 @@
+"""The client side of the executor service: an `Executor` that calls a remote base.
+
+`connect(url)` returns a `RemoteExecutor`; `load_client(path, executor)` uses it exactly
+like the in-process executor. Tensors travel either as raw ZeroMQ frames (any host) or,
+when client and executor share a host, through a shared-memory segment the client
+allocates at connect time and grows on demand, so a layer call moves no tensor bytes
+through the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from symbiont.executor.interface import (
+    PROTOCOL_VERSION,
+    Executor,
+    ExecutorError,
+    ExecutorUnavailable,
+    Manifest,
+    Op,
+    check_call,
+)
+from symbiont.transport import shm
+from symbiont.transport.urls import check_url, is_loopback
+from symbiont.transport.wire import (
+    DTYPE_NAMES,
+    Code,
+    Kind,
+    WireError,
+    pack,
+    tensor_bytes,
+    tensor_from,
+    unpack,
+)
+
+log = logging.getLogger("symbiont.transport")
+
+
+class Mode(StrEnum):
+    AUTO = "auto"  # shared memory when the executor is on this host, frames otherwise
+    FRAMES = "zmq"  # tensors as ZeroMQ frames (works across hosts)
+    SHM = "shm"  # shared memory, or fail
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a client reaches the executor.
+
+    timeout_s: longest wait for one call's answer before the connection is re-made and
+    the call resent (calls are stateless, so resending is safe); after `retries` such
+    attempts the call raises ExecutorUnavailable. spin_us: how long the client polls
+    shared memory for the answer before it sleeps on the socket.
+    """
+
+    mode: Mode = Mode.AUTO
+    token: str | None = None
+    fingerprint: str | None = None  # refuse an executor serving another checkpoint
+    label: str | None = None  # shown by `symbiont stats`
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    retries: int = 2
+    spin_us: float = 1000.0
+    shm_tokens: int = 64  # initial shared-memory capacity, in tokens of the widest layer
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive (seconds)")
+        if self.retries < 0 or self.shm_tokens < 1:
+            raise ValueError("retries must be >= 0 and shm_tokens >= 1")
+
+
+def connect(url: str, *, checkpoint=None, **options) -> RemoteExecutor:
+    """An Executor served by `symbiont serve-base` at `url` (tcp://HOST:PORT or ipc:///path).
+
+    checkpoint: a checkpoint folder; the handshake then refuses an executor built from
+    another base. Other options are `ClientConfig` fields (mode, token, timeout_s, ...);
+    the token defaults to $SYMBIONT_TOKEN.
+    """
+    check_url(url)
+    if checkpoint is not None:
+        from symbiont.checkpoint import Checkpoint
+
+        options.setdefault("fingerprint", Checkpoint.open(checkpoint).fingerprint)
+    options.setdefault("token", os.environ.get("SYMBIONT_TOKEN"))
+    return RemoteExecutor(url, ClientConfig(**options))
+
+
+class _Lost(Exception):
+    """No answer in time: re-make the connection and resend."""
+
+
+class RemoteExecutor(Executor):
+    """An Executor whose layers run in a `serve-base` process. Thread-safe (one call at a time)."""
+
+    def __init__(self, url: str, config: ClientConfig):
+        self.url = url
+        self.config = config
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock = None
+        self._segment: shm.Segment | None = None
+        self._manifest: Manifest | None = None
+        self._next_id = 0
+        self._seq = 0
+        self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
+        self._open()
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def transport(self) -> str:
+        """'shm' when calls go through shared memory, else 'zmq'."""
+        return "shm" if self._segment is not None else "zmq"
+
+    def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        check_call(self._manifest, op, layer, x)
+        with self._lock:
+            for attempt in range(self.config.retries + 1):
+                try:
+                    return self._call(op, layer, x).to(x.device)
+                except _Lost:
+                    log.warning(
+                        "no answer from %s (attempt %d): reconnecting", self.url, attempt + 1
+                    )
+                    self._reopen()
+        raise ExecutorUnavailable(
+            f"no answer from the base executor at {self.url} after {self.config.retries + 1} "
+            f"attempts of {self.config.timeout_s:g} s; check that `symbiont serve-base` is "
+            "running there and reachable, or raise timeout_s"
+        )
+
+    def stats(self) -> dict:
+        """The executor's live statistics (what `symbiont stats URL` prints)."""
+        with self._lock:
+            call_id = self._send(pack(Kind.STATS, self._new_id(), {"token": self.config.token}))
+            return self._await(call_id, self.config.connect_timeout_s)[2]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send(pack(Kind.BYE, 0), zmq.NOBLOCK)
+            self._drop()
+            if not self._ctx.closed:
+                self._ctx.term()
+
+    def __del__(self):
+        if getattr(self, "_sock", None) is not None:
+            with contextlib.suppress(zmq.ZMQError, AttributeError):
+                self._drop()
+
+    # -- connection --------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._handshake()
+        except ExecutorError:
+            self._drop()
+            raise
+        except _Lost:
+            self._drop()
+            raise ExecutorUnavailable(
+                f"no base executor answered at {self.url} within "
+                f"{self.config.connect_timeout_s:g} s; start one with `symbiont serve-base "
+                f"--model DIR --bind {self.url}` or check the URL"
+            ) from None
+        if self.config.mode is not Mode.FRAMES:
+            self._attach_shm()
+
+    def _reopen(self) -> None:
+        self._drop()
+        try:
+            self._open()
+        except ExecutorUnavailable as err:
+            log.warning("%s", err)
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _handshake(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.url)
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        info = {
+            "protocol": PROTOCOL_VERSION,
+            "token": self.config.token,
+            "fingerprint": self.config.fingerprint,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "label": self.config.label or f"{socket.gethostname()}:{os.getpid()}",
+        }
+        call_id = self._send(pack(Kind.HELLO, self._new_id(), info))
+        reply = self._await(call_id, self.config.connect_timeout_s)
+        manifest = Manifest.from_dict(reply[2])
+        if self._manifest is not None and manifest != self._manifest:
+            raise ExecutorError(
+                f"the executor at {self.url} now serves another base than at connect time; "
+                "reload the client"
+            )
+        self._manifest = manifest
+        self._server_shm = bool(reply[3].get("shm")) if len(reply) > 3 else False
+
+    def _attach_shm(self, tokens: int | None = None) -> None:
+        """Allocate a segment for `tokens` tokens of the widest layer and hand it over."""
+        if not (is_loopback(self.url) and self._server_shm):
+            if self.config.mode is Mode.SHM:
+                raise ExecutorError(
+                    f"shared memory needs the executor on this host and allowing it; "
+                    f"{self.url} does not: connect with mode='zmq'"
+                )
+            return
+        width = max(max(s.in_features, s.out_features) for s in self._manifest.layers)
+        tokens = max(tokens or 0, self.config.shm_tokens)
+        segment = shm.Segment.create(tokens * width * self._manifest.dtype.itemsize)
+        try:
+            call_id = self._send(
+                pack(Kind.ATTACH, self._new_id(), {"path": str(segment.path), "size": segment.size})
+            )
+            self._await(call_id, self.config.connect_timeout_s)
+        except ExecutorError as err:
+            segment.close()
+            if self.config.mode is Mode.SHM:
+                raise
+            log.info("shared memory refused (%s): tensors go through the socket", err)
+            return
+        finally:
+            segment.unlink()
+        if self._segment is not None:
+            self._segment.close()
+        self._segment = segment
+        self._seq = segment.ctrl[shm.RESP_SEQ]
+
+    # -- calls -------------------------------------------------------------------
+
+    def _call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self._sock is None:
+            raise _Lost
+        spec = self._manifest.layers[layer]
+        in_w, out_w = (
+            (spec.in_features, spec.out_features)
+            if op is Op.FORWARD
+            else (spec.out_features, spec.in_features)
+        )
+        rows = x.shape[0]
+        if self._segment is not None:
+            if rows * max(in_w, out_w) * x.element_size() > self._segment.capacity:
+                self._grow(rows)
+            if self._segment is not None:
+                return self._call_shm(op, layer, x, rows, in_w, out_w)
+        return self._call_frames(op, layer, x, rows, in_w, out_w)
+
+    def _grow(self, rows: int) -> None:
+        """A bigger segment for `rows` tokens (the next power of two)."""
+        self._attach_shm(1 << (rows - 1).bit_length())
+
+    def _call_frames(self, op, layer, x, rows, in_w, out_w) -> torch.Tensor:
+        """x [rows, in_w] as a frame -> y [rows, out_w] from a frame."""
+        header = pack(Kind.CALL, self._new_id(), int(op), layer, rows, in_w, DTYPE_NAMES[x.dtype])
+        self._sock.send_multipart([header, tensor_bytes(x)], copy=rows * in_w < 8192)
+        reply = self._await(self._next_id, self.config.timeout_s, frames=True)
+        header, data = reply
+        return tensor_from(data, self._manifest.dtype, header[2], header[3])
+
+    def _call_shm(self, op, layer, x, rows, in_w, out_w) -> torch.Tensor:
+        """x [rows, in_w] into shared memory -> y [rows, out_w] out of it (copied)."""
+        segment = self._segment
+        ctrl = segment.ctrl
+        segment.input(x.dtype, rows, in_w).copy_(x)
+        ctrl[shm.OP] = int(op)
+        ctrl[shm.LAYER] = layer
+        ctrl[shm.ROWS] = rows
+        self._seq += 1
+        seq = self._seq
+        ctrl[shm.REQ_SEQ] = seq
+        if ctrl[shm.SERVER_ASLEEP] or not shm.SPIN_SAFE:
+            self._sock.send(pack(Kind.RING, seq))
+        error = self._wait_shm(ctrl, seq)
+        if ctrl[shm.STATUS]:
+            if error:
+                self._raise(error)
+            self._await(seq, self.config.timeout_s)  # raises with the executor's message
+        return segment.output(x.dtype, rows, out_w).clone()
+
+    def _wait_shm(self, ctrl, seq: int) -> list | None:
+        """Spin on the answer's sequence number, then sleep on the socket for a RING.
+        Returns the executor's ERROR header if one arrived for this call."""
+        spin_until = time.perf_counter() + self._spin_s
+        while ctrl[shm.RESP_SEQ] != seq:
+            if time.perf_counter() > spin_until:
+                break
+        else:
+            return None
+        ctrl[shm.CLIENT_ASLEEP] = 1
+        deadline = time.monotonic() + self.config.timeout_s
+        error = None
+        try:
+            while ctrl[shm.RESP_SEQ] != seq:
+                header = self._next_message(min(deadline - time.monotonic(), 0.02))
+                if header and header[0] is Kind.ERROR and header[1] == seq:
+                    error = header
+                if time.monotonic() > deadline:
+                    raise _Lost
+        finally:
+            ctrl[shm.CLIENT_ASLEEP] = 0
+        return error
+
+    # -- messages ----------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _send(self, header: bytes) -> int:
+        self._sock.send(header)
+        return self._next_id
+
+    def _await(self, call_id: int, timeout_s: float, frames: bool = False):
+        """The reply to `call_id` (stale replies are skipped); ERROR raises ExecutorError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Lost
+            message = self._next_message(left, whole=True)
+            if message is None:
+                continue
+            header = message[0]
+            if header[0] is Kind.RING or len(header) < 2 or header[1] != call_id:
+                continue
+            if header[0] is Kind.ERROR:
+                self._raise(header)
+            if frames and len(message) != 2:
+                continue
+            return (header, message[1]) if frames else header
+
+    def _next_message(self, timeout_s: float, whole: bool = False):
+        """The next message's header (or [header, *frames] if `whole`) within `timeout_s`,
+        or None; raises _Lost at once when the connection to the executor drops."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1e3)) + 1))
+        if self._monitor in events:
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                raise _Lost
+        if self._sock not in events:
+            return None
+        message = self._sock.recv_multipart()
+        try:
+            header = unpack(message[0])
+        except WireError:
+            return None
+        return [header, *message[1:]] if whole else header
+
+    def _raise(self, header: list) -> None:
+        code, message = header[2], header[3]
+        if code == Code.NO_SESSION:
+            raise _Lost  # the executor restarted or expired us: reconnect and resend
+        raise ExecutorError(f"base executor at {self.url}: {message}")

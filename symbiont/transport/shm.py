@@ -1,0 +1,114 @@
+"""Same-host shared memory: one segment per client, mapped by the client and the executor.
+
+Layout (offsets in bytes):
+
+    0     control block: int64 slots, each group on its own cache line
+            REQ_SEQ, OP, LAYER, ROWS            written by the client
+            RESP_SEQ, STATUS, OUT_ROWS          written by the executor
+            SERVER_ASLEEP                       executor: "ring me, I am not spinning"
+            CLIENT_ASLEEP                       client: "ring me, I am not spinning"
+    256   input area   x [rows, width_in]     (capacity bytes)
+    256+c output area  y [rows, width_out]    (capacity bytes)
+
+A call moves no tensor bytes through the socket: the client copies x into the input
+area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
+runs the call, writes y and bumps RESP_SEQ. Only a side that is not spinning is woken
+through the socket (a RING doorbell). On x86-64 stores are seen in program order, so
+seeing a new sequence number implies seeing the data written before it; elsewhere the
+fast path is off and every call rings (the socket's system calls order memory).
+
+The client creates the segment as a file in /dev/shm, the executor maps it, then the
+client unlinks the name: nothing is left behind even if either side is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import re
+import secrets
+import stat
+import tempfile
+from pathlib import Path
+
+import torch
+
+REQ_SEQ, OP, LAYER, ROWS = 0, 1, 2, 3
+RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
+SERVER_ASLEEP = 16
+CLIENT_ASLEEP = 24
+HEADER_BYTES = 256
+
+# Spinning on a sequence number is only safe where stores become visible in order.
+SPIN_SAFE = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+
+_NAME = re.compile(r"symbiont-[0-9a-f]{32}")
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class Segment:
+    """A mapped segment with a control block and input/output areas of `capacity` bytes."""
+
+    def __init__(self, path: Path, fd: int, capacity: int):
+        self.path = path
+        self.capacity = capacity
+        self.size = HEADER_BYTES + 2 * capacity
+        self._map = mmap.mmap(fd, self.size)
+        os.close(fd)
+        self.ctrl = memoryview(self._map)[:HEADER_BYTES].cast("q")
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
+        self._out = raw[HEADER_BYTES + capacity :]
+
+    @classmethod
+    def create(cls, capacity: int) -> Segment:
+        """A new segment (client side); `unlink` it once the executor has mapped it."""
+        path = shm_dir() / f"symbiont-{secrets.token_hex(16)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, HEADER_BYTES + 2 * capacity)
+        return cls(path, fd, capacity)
+
+    @classmethod
+    def attach(cls, path: str, size: int) -> Segment:
+        """Map a segment a client created (executor side); refuses anything else."""
+        where = Path(path)
+        if where.parent != shm_dir() or not _NAME.fullmatch(where.name):
+            raise ValueError(f"{path} is not a symbiont shared-memory segment")
+        try:
+            fd = os.open(where, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise ValueError(
+                f"shared-memory segment {path} not found: the client runs on another host "
+                "(use tcp:// without shared memory)"
+            ) from None
+        info = os.fstat(fd)
+        capacity = (size - HEADER_BYTES) // 2
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size or capacity <= 0:
+            os.close(fd)
+            raise ValueError(f"shared-memory segment {path} has size {info.st_size}, not {size}")
+        return cls(where, fd, capacity)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def input(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View of the input area as [rows, cols]."""
+        count = rows * cols * dtype.itemsize
+        return self._in[:count].view(dtype).view(rows, cols)
+
+    def output(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View of the output area as [rows, cols]."""
+        count = rows * cols * dtype.itemsize
+        return self._out[:count].view(dtype).view(rows, cols)
+
+    def close(self) -> None:
+        self.ctrl.release()
+        self._in = self._out = None
+        # A caller may still hold a view; then the mapping goes when that view goes.
+        with contextlib.suppress(BufferError):
+            self._map.close()
