@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from symbiont.train.data import Example, collate
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "train_summary.json"  # the TrainResult of the last (part of a) run
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,9 @@ class _Run:
         bar.close()
         publish_adapter(self.model, self.out)
         seconds = time.perf_counter() - started
-        return TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, seconds)
+        result = TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, seconds)
+        _write_summary(self.out / SUMMARY_FILE, result)
+        return result
 
     def _optimizer_step(self) -> tuple[float, int]:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, tokens)."""
@@ -236,6 +239,11 @@ def evaluate(model, examples: Sequence[Example], config: TrainConfig, pad_token_
             count += n
     model.train(was_training)
     return total / max(count, 1)
+
+
+def _write_summary(path: Path, result: TrainResult) -> None:
+    record = {**asdict(result), "tokens_per_s": round(result.tokens_per_s, 1)}
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
