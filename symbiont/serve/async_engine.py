@@ -1,0 +1,138 @@
+"""The engine on its own thread, driven from asyncio.
+
+The engine thread alone touches the `Engine`: it runs queued commands (add a request,
+abort, load or unload an adapter) between iterations, then one iteration, and hands
+each request's outputs to that request's asyncio queue. Nothing in the event loop
+waits on model compute; nothing in the engine thread waits on a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from symbiont.serve.engine import Engine
+from symbiont.serve.sequence import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Outputs of one request, in order, ending with the one marked `finished`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def put_threadsafe(self, output: RequestOutput) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            output = await self._queue.get()
+            yield output
+            if output.finished:
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="symbiont-engine", daemon=True)
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._commands.put((lambda: None, Future()))  # wake the thread
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- called from the event loop ---------------------------------------------------
+
+    async def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises what `Engine.add_request` raises (bad input, unknown
+        adapter, full queue)."""
+        stream = RequestStream(request.request_id, asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request)
+            self._streams[request.request_id] = stream
+
+        await self._call(add)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (safe from any thread, never blocks: used on disconnect)."""
+        self._commands.put((lambda: self._abort(request_id), Future()))
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        weights = await asyncio.to_thread(self.engine.adapters.parse, path)  # file I/O off-thread
+
+        def add() -> dict:
+            self.engine.adapters.add(name, weights)
+            return self.engine.adapters.info(name)
+
+        return await self._call(add)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call(lambda: self.engine.unload_adapter(name))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands(block=not self.engine.has_work())
+            if self.engine.has_work():
+                for output in self.engine.step():
+                    self._deliver(output)
+        for request_id in list(self._streams):
+            self._abort(request_id)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            _settle(fn, future)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream.put_threadsafe(output)
+
+
+def _settle(fn: Callable[[], Any], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller, not swallowed
+        future.set_exception(err)
