@@ -9,7 +9,7 @@ import logging
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ["demo", "finetune", "generate", "serve-base", "stats"]
+SUBCOMMANDS = ["demo", "finetune", "generate", "serve", "serve-base", "stats"]
 
 
 def build_parser() -> argparse.ArgumentParser:
