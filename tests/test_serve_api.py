@@ -1,0 +1,275 @@
+"""The HTTP API driven by the official `openai` client and by plain HTTP.
+
+Servers run on 127.0.0.1 on a free port, on a thread that each fixture stops. Outputs
+are checked against vanilla transformers + peft (greedy), so the API adds nothing and
+loses nothing on top of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from symbiont.serve import EngineConfig
+from symbiont.serve.server import BackgroundServer, ServerConfig, load_engine
+from tests.test_serve_common import Reference, add_char_tokenizer, make_adapters
+
+ENGINE = EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoints, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served") / "tiny-llama"
+    shutil.copytree(checkpoints("llama"), folder)
+    return add_char_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    return make_adapters(model_dir, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, adapters):
+    preloaded = tuple((name, str(adapters[name])) for name in ("lora4", "lora16", "ia3"))
+    config = ServerConfig(model=str(model_dir), adapters=preloaded, port=0, engine=ENGINE)
+    with BackgroundServer(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, adapters):
+    """prompt text, adapter, max_tokens -> the text vanilla peft generates greedily."""
+    reference = Reference(model_dir, adapters)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def text(prompt: str, adapter: str | None, max_tokens: int) -> str:
+        ids = tokenizer(prompt).input_ids
+        out = reference.generate(ids, adapter, max_tokens)
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    return text
+
+
+def test_models_lists_base_and_adapters_with_parent(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny-llama", "lora4", "lora16", "ia3"}
+    assert models["lora4"].model_extra["parent"] == "tiny-llama"
+    assert models["tiny-llama"].model_extra["parent"] is None
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "lora4", "lora16", "ia3"])
+def test_completion_equals_vanilla_peft(client, expected, model):
+    out = client.completions.create(model=model, prompt="The cat", max_tokens=12, temperature=0)
+    adapter = None if model == "tiny-llama" else model
+    assert out.choices[0].text == expected("The cat", adapter, 12)
+    assert out.usage.prompt_tokens == len("The cat")
+    assert out.usage.completion_tokens <= 12
+    assert out.model == model
+
+
+def test_concurrent_requests_of_many_adapters_are_each_exact(server, expected):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        jobs = [
+            (f"prompt {i} {'x' * (i % 5)}", ["tiny-llama", "lora4", "lora16", "ia3"][i % 4])
+            for i in range(11)
+        ]
+        calls = [
+            client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0)
+            for p, m in jobs
+        ]
+        return jobs, await asyncio.gather(*calls)
+
+    jobs, outs = asyncio.run(main())
+    for (prompt, model), out in zip(jobs, outs, strict=True):
+        adapter = None if model == "tiny-llama" else model
+        assert out.choices[0].text == expected(prompt, adapter, 10), f"{model}: {prompt!r}"
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    whole = client.chat.completions.create(
+        model="ia3", messages=messages, max_tokens=10, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="ia3",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_plain_http_server_sent_events(server):
+    body = {"model": "lora16", "prompt": "abc", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(line[6:]) for line in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    plain = httpx.post(
+        f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=30
+    ).json()
+    assert "".join(p["choices"][0]["text"] for p in payloads) == plain["choices"][0]["text"]
+
+
+def test_n_seed_and_stop(client, expected):
+    kw = dict(model="lora4", prompt="Once", max_tokens=8, temperature=1.0, seed=3, n=2)
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    greedy = expected("Once", "lora4", 12)
+    stop = greedy[3:5]
+    cut = client.completions.create(
+        model="lora4", prompt="Once", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == greedy[: greedy.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_openai_style_errors(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="lora4", prompt="x", max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="lora4", prompt="x", max_tokens=100_000)
+    assert err.value.body["param"] == "max_tokens" and "context" in err.value.body["message"]
+    response = httpx.get(f"{server.url}/v1/nothing-here")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_adapter_management_while_requests_run(
+    server, client, adapters, expected, tmp_path, monkeypatch
+):
+    url = f"{server.url}/v1/adapters"
+    engine = server.state.engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.01) or step())  # keep it running
+
+    async def stream_long():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        stream = await aclient.completions.create(
+            model="lora16", prompt="long", max_tokens=30, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        running = asyncio.create_task(stream_long())
+        await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(timeout=30) as http:
+            loaded = await http.post(
+                url, json={"name": "late", "path": str(adapters["lora8_attn"])}
+            )
+            removed = await http.delete(f"{url}/lora16")  # in use by `running`
+        assert not running.done(), "the request finished before the adapter was unloaded"
+        return loaded, removed, await running
+
+    loaded, removed, text = asyncio.run(main())
+    assert loaded.status_code == 200 and loaded.json()["rank"] == 8
+    assert removed.status_code == 200
+    assert text == expected("long", "lora16", 30), "unloading broke a running request"
+    late = client.completions.create(model="late", prompt="hi", max_tokens=6, temperature=0)
+    assert late.choices[0].text == expected("hi", "lora8_attn", 6)
+    assert "lora16" not in {m.id for m in client.models.list().data}
+    assert httpx.delete(f"{url}/lora16").status_code == 404
+
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["lora4"], broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"garbage")
+    response = httpx.post(url, json={"name": "broken", "path": str(broken)})
+    assert response.status_code == 400 and "cannot read" in response.json()["error"]["message"]
+    ok = client.completions.create(model="late", prompt="hi", max_tokens=6, temperature=0)
+    assert ok.choices[0].text == late.choices[0].text, "a broken adapter affected others"
+    assert httpx.delete(f"{url}/late").status_code == 200
+
+
+def test_disconnected_stream_stops_and_frees_its_memory(server, monkeypatch):
+    engine = server.state.engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.02) or step())  # ~50 tokens/s
+    generated = server.state.metrics.tokens._value.get
+    before = generated()
+    body = {
+        "model": "lora4",
+        "prompt": "go",
+        "max_tokens": 100,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 5
+    while engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.has_work(), "a disconnected request kept generating"
+    assert generated() - before < 50, "the request ran on after its client left"
+    assert engine.kv_cache.allocator.num_free == ENGINE.num_blocks, "its KV blocks were not freed"
+
+
+def test_metrics_in_prometheus_format(server, client):
+    client.completions.create(model="lora4", prompt="m", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "symbiont_queue_length",
+        "symbiont_running_requests",
+        "symbiont_generation_tokens_per_second",
+        "symbiont_time_to_first_token_seconds_bucket",
+        "symbiont_inter_token_latency_seconds_bucket",
+        "symbiont_adapters_loaded",
+    ):
+        assert name in text, f"/metrics lacks {name}"
+    assert "symbiont_generated_tokens_total" in text
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_loading_api_key_and_full_queue(model_dir):
+    config = ServerConfig(
+        model=str(model_dir),
+        port=0,
+        api_key="s3cret",
+        engine=EngineConfig(max_queue=0, block_size=4, num_blocks=64),
+    )
+    with BackgroundServer(config, wait_ready=False) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        headers = {"Authorization": "Bearer s3cret"}
+        body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
+        loading = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+        assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"
+        load_engine(config, server.state)
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        with pytest.raises(openai.RateLimitError):  # max_queue=0: every request is refused
+            right.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
