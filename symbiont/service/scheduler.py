@@ -30,7 +30,7 @@ class Session:
     segment: object = None  # shm.Segment once the client attached shared memory
     seen_seq: int = 0  # last shared-memory request sequence number taken
     waiting: bool = False  # has a call queued or running
-    last_reply: float = 0.0  # monotonic time its last call was answered
+    last_reply: float = float("-inf")  # monotonic time its last call was answered
     last_seen: float = 0.0
     calls: int = 0
     tokens: int = 0

@@ -135,9 +135,10 @@ class ExecutorServer:
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         wake = self.scheduler.next_wake(now)
-        if wake is not None and wake < 1e-3:
-            return  # a deadline within a millisecond: spin rather than oversleep
-        if self._shm_sessions() and now - self._last_busy < self._spin_s:
+        if (wake is not None and wake < 1e-3) or (
+            now - self._last_busy < self._spin_s and self._shm_sessions()
+        ):
+            os.sched_yield()  # spin (a deadline is near, or shared-memory calls keep coming)
             return
         self._sleep(HOUSEKEEPING_S if wake is None else wake)
 

@@ -40,6 +40,7 @@ RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
 SERVER_ASLEEP = 16
 CLIENT_ASLEEP = 24
 HEADER_BYTES = 256
+MAX_CACHED_VIEWS = 256
 
 # Spinning on a sequence number is only safe where stores become visible in order.
 SPIN_SAFE = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
@@ -64,6 +65,7 @@ class Segment:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
         self._out = raw[HEADER_BYTES + capacity :]
+        self._views: dict[tuple, torch.Tensor] = {}
 
     @classmethod
     def create(cls, capacity: int) -> Segment:
@@ -97,18 +99,29 @@ class Segment:
         self.path.unlink(missing_ok=True)
 
     def input(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
-        """View of the input area as [rows, cols]."""
-        count = rows * cols * dtype.itemsize
-        return self._in[:count].view(dtype).view(rows, cols)
+        """View of the input area as [rows, cols] (cached: decode repeats a few shapes)."""
+        key = (0, dtype, rows, cols)
+        view = self._views.get(key)
+        return view if view is not None else self._view(key, self._in)
 
     def output(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
         """View of the output area as [rows, cols]."""
-        count = rows * cols * dtype.itemsize
-        return self._out[:count].view(dtype).view(rows, cols)
+        key = (1, dtype, rows, cols)
+        view = self._views.get(key)
+        return view if view is not None else self._view(key, self._out)
+
+    def _view(self, key: tuple, area: torch.Tensor) -> torch.Tensor:
+        _, dtype, rows, cols = key
+        if len(self._views) >= MAX_CACHED_VIEWS:
+            self._views.clear()
+        view = area[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        self._views[key] = view
+        return view
 
     def close(self) -> None:
         self.ctrl.release()
         self._in = self._out = None
+        self._views.clear()
         # A caller may still hold a view; then the mapping goes when that view goes.
         with contextlib.suppress(BufferError):
             self._map.close()

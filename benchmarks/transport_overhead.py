@@ -1,0 +1,90 @@
+"""Per-call cost of each transport against the in-process executor.
+
+A decode step makes one executor call per frozen linear layer with one token, so the
+round trip of a one-token call decides decode latency. This starts one `serve-base`
+process on a checkpoint with 512x512 projections and times one-token forward calls
+(and a 64-token call) through every transport, printing each as a ratio of in-process.
+
+    python benchmarks/transport_overhead.py [--calls 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import symbiont
+from symbiont.service.process import ServerProcess
+
+
+def build_checkpoint(folder: Path, hidden: int) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def time_calls(executor, layer: int, x: torch.Tensor, calls: int) -> float:
+    """Median of 5 rounds of the mean seconds per call."""
+    for _ in range(200):
+        executor.forward(layer, x)
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls // 5):
+            executor.forward(layer, x)
+        rounds.append((time.perf_counter() - start) / (calls // 5))
+    return statistics.median(rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = build_checkpoint(Path(tempfile.mkdtemp()) / "base", args.hidden)
+    local = symbiont.BaseExecutor.from_pretrained(folder)
+    layer = local.manifest.layer_ids()["model.layers.0.self_attn.q_proj"]
+    print(
+        f"layer {args.hidden}x{args.hidden}, fp32, {args.calls} calls, torch threads {args.threads}"
+    )
+    print(f"{'transport':<12} {'tokens':>6} {'µs/call':>9} {'vs in-process':>14}")
+    with ServerProcess(folder, args=("--threads", args.threads)) as server:
+        transports = {
+            "in-process": lambda: local,
+            "tcp": lambda: symbiont.connect(server.url("tcp"), mode="zmq"),
+            "ipc": lambda: symbiont.connect(server.url("ipc"), mode="zmq"),
+            "shm": lambda: symbiont.connect(server.url("ipc"), mode="shm"),
+        }
+        for tokens in (1, 64):
+            x = torch.randn(tokens, args.hidden)
+            baseline = None
+            for name, open_executor in transports.items():
+                executor = open_executor()
+                seconds = time_calls(executor, layer, x, args.calls)
+                baseline = baseline or seconds
+                print(f"{name:<12} {tokens:>6} {seconds * 1e6:>9.1f} {seconds / baseline:>13.1f}x")
+                if executor is not local:
+                    executor.close()
+
+
+if __name__ == "__main__":
+    main()
