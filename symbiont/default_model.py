@@ -27,10 +27,9 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -112,10 +111,12 @@ class DefaultModelSpec:
     max_position_embeddings: int = 1024
     seed: int = 0
     # Pretraining: bounded so the first-use build stays under ~60 s on 2 CPU cores.
-    pretrain_steps: int = 100
+    pretrain_steps: int = 150
     batch_size: int = 8
     sequence_length: int = 128
-    learning_rate: float = 3e-3
+    # Measured on the bundled corpus: 1e-3 gives the lowest held-out loss at this budget;
+    # 3e-3 memorises faster but generalises worse.
+    learning_rate: float = 1e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
@@ -281,8 +282,11 @@ def _remove_abandoned_builds(target: Path) -> None:
 
 
 def _build_atomically(target: Path, spec: DefaultModelSpec) -> None:
+    # Not tempfile.mkdtemp: its 0700 mode would make a shared SYMBIONT_HOME unreadable to
+    # others; a plain mkdir honours the umask like any other cache folder.
+    staging = target.with_name(f"{_staging_prefix(target)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target), dir=target.parent))
+        staging.mkdir()
     except OSError as error:
         raise _not_writable_error(target, error) from error
     try:
@@ -290,6 +294,7 @@ def _build_atomically(target: Path, spec: DefaultModelSpec) -> None:
         started = time.perf_counter()
         losses = _build_checkpoint(staging, spec)
         seconds = time.perf_counter() - started
+        _match_file_modes_to_umask(staging)
         _fsync_folder_contents(staging)
         # Written last: its presence is what marks the folder as complete.
         _write_marker(staging, spec, losses, seconds)
@@ -300,7 +305,9 @@ def _build_atomically(target: Path, spec: DefaultModelSpec) -> None:
         raise
 
 
-def _write_marker(folder: Path, spec: DefaultModelSpec, losses: dict[str, float], seconds: float):
+def _write_marker(
+    folder: Path, spec: DefaultModelSpec, losses: dict[str, float], seconds: float
+) -> None:
     record = {
         "format_version": FORMAT_VERSION,
         "model_name": MODEL_NAME,
@@ -316,6 +323,15 @@ def _write_marker(folder: Path, spec: DefaultModelSpec, losses: dict[str, float]
         json.dump(record, handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _match_file_modes_to_umask(folder: Path) -> None:
+    # safetensors writes model.safetensors as 0600 regardless of umask; give every file the
+    # mode that a plain open() produced for config.json, so the checkpoint is uniformly readable.
+    mode = (folder / "config.json").stat().st_mode & 0o777
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _fsync_folder_contents(folder: Path) -> None:
@@ -362,6 +378,8 @@ def _build_checkpoint(folder: Path, spec: DefaultModelSpec) -> dict[str, float]:
     corpus = default_corpus().read_text(encoding="utf-8")
     train_paragraphs, held_out_paragraphs = _split_corpus(corpus)
 
+    # The tokenizer is the shipped vocabulary, so it sees the whole corpus; only the model's
+    # training holds paragraphs out, to measure how well it generalises.
     tokenizer = _train_tokenizer(train_paragraphs + held_out_paragraphs, spec)
     # Keep the caller's RNG state untouched: seeding globally inside a library call would
     # silently change the random streams of whatever program is using us.
@@ -499,7 +517,7 @@ def _pretrain(
     return losses
 
 
-def _warmup_cosine(spec: DefaultModelSpec):
+def _warmup_cosine(spec: DefaultModelSpec) -> Callable[[int], float]:
     # Short linear warmup avoids early divergence at a high LR; cosine decay to 10% lets the
     # few available steps settle instead of ending on a noisy high-LR update.
     def factor(step: int) -> float:
