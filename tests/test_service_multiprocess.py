@@ -1,0 +1,207 @@
+"""One `serve-base` process, several client processes at their own pace, faults on the side.
+
+Three clients with different PEFT methods (one fine-tuning over TCP, two generating with
+different batch sizes and lengths over shared memory and IPC) each match what the same
+adapter computes in vanilla transformers + peft in that client's own process, while
+another client is killed with SIGKILL in the middle of its layer calls, one disconnects
+mid-call, random bytes and truncated frames hit the port, and a client built from another
+checkpoint is refused. Clients start with `spawn` (forking after torch started its thread
+pool can hang the child).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+import symbiont
+from symbiont.executor.interface import PROTOCOL_VERSION, ExecutorError
+from symbiont.service.process import ServerProcess
+from symbiont.transport.wire import Kind, pack
+
+GENERATE = dict(do_sample=False, pad_token_id=0)
+
+
+def _peft_config(method: str):
+    import peft
+
+    targets = ["q_proj", "v_proj"]
+    if method == "lora":
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    if method == "ia3":
+        return peft.IA3Config(
+            target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        )
+    return peft.LoHaConfig(r=4, target_modules=targets)
+
+
+def _pair(path, executor, method):
+    """(vanilla, split) peft models with the same non-trivial adapter weights."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    config = _peft_config(method)
+    torch.manual_seed(1)
+    vanilla = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+    with torch.no_grad():
+        for param in vanilla.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    split = peft.get_peft_model(symbiont.load_client(path, executor), config)
+    trained = dict(split.named_parameters())
+    with torch.no_grad():
+        for name, param in vanilla.named_parameters():
+            if param.requires_grad:
+                trained[name].copy_(param)
+    return vanilla, split
+
+
+def _ids(seed, rows, length):
+    return torch.randint(3, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _finetune(model, ids, steps=3):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def client_job(job: dict, path: str, url: str, results) -> None:
+    """Runs in a spawned process: the split model against the service, then vanilla alone."""
+    torch.set_num_threads(1)
+    try:
+        executor = symbiont.connect(url, mode=job["mode"], checkpoint=path, label=job["name"])
+        vanilla, split = _pair(path, executor, job["method"])
+        ids = _ids(job["seed"], job["rows"], job["length"])
+        if job["kind"] == "finetune":
+            got, want = _finetune(split.train(), ids), _finetune(vanilla.train(), ids)
+            ok = torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+        else:
+            with torch.no_grad():
+                gen = dict(GENERATE, max_new_tokens=job["new"])
+                got = split.eval().generate(input_ids=ids, **gen).tolist()
+                want = vanilla.eval().generate(input_ids=ids, **gen).tolist()
+            ok = got == want
+        results.put({"name": job["name"], "ok": ok, "got": got, "want": want})
+        executor.close()
+    except Exception as err:  # noqa: BLE001 - report any failure to the test process
+        results.put({"name": job["name"], "ok": False, "error": repr(err)})
+
+
+def victim_job(path: str, url: str, ready) -> None:
+    """Calls the biggest layer over and over until it is killed (SIGKILL from the test)."""
+    torch.set_num_threads(1)
+    executor = symbiont.connect(url, mode="shm", label="victim")
+    spec = max(executor.manifest.layers, key=lambda s: s.out_features)
+    x = torch.randn(4096, spec.in_features)
+    executor.forward(spec.id, x)
+    ready.put(os.getpid())
+    while True:
+        executor.forward(spec.id, x)
+
+
+JOBS = [
+    dict(
+        name="finetune-lora",
+        kind="finetune",
+        method="lora",
+        mode="zmq",
+        scheme="tcp",
+        seed=1,
+        rows=4,
+        length=12,
+    ),
+    dict(
+        name="generate-ia3",
+        kind="generate",
+        method="ia3",
+        mode="shm",
+        scheme="ipc",
+        seed=2,
+        rows=1,
+        length=5,
+        new=12,
+    ),
+    dict(
+        name="generate-loha",
+        kind="generate",
+        method="loha",
+        mode="zmq",
+        scheme="ipc",
+        seed=3,
+        rows=3,
+        length=9,
+        new=6,
+    ),
+]
+
+
+def _abuse_the_port(server: ServerProcess, other_checkpoint: Path) -> None:
+    """Random bytes, truncated frames, a mid-call disconnect, another checkpoint."""
+    host, port = server.url("tcp").removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(os.urandom(2048))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.url("tcp"))
+    sock.send_multipart([pack(Kind.HELLO, 1, {"protocol": PROTOCOL_VERSION})])
+    sock.send_multipart([pack(Kind.CALL, 2, 1, 0, 3, 32, "float32"), b"\x00" * 17])  # truncated
+    sock.send_multipart([pack(Kind.CALL, 3, 1, 0, 512, 32, "float32"), bytes(512 * 32 * 4)])
+    sock.close()  # gone before its answer
+    with pytest.raises(ExecutorError, match="fingerprint"):
+        symbiont.connect(server.url("tcp"), checkpoint=other_checkpoint)
+
+
+def test_independent_clients_with_faults_around_them(checkpoints):
+    path = checkpoints("llama")
+    spawn = multiprocessing.get_context("spawn")
+    results, ready = spawn.Queue(), spawn.Queue()
+    with ServerProcess(path, args=("--threads", "1")) as server:
+        victim = spawn.Process(target=victim_job, args=(str(path), server.url("ipc"), ready))
+        victim.start()
+        clients = [
+            spawn.Process(
+                target=client_job, args=(job, str(path), server.url(job["scheme"]), results)
+            )
+            for job in JOBS
+        ]
+        for process in clients:
+            process.start()
+        ready.get(timeout=120)
+        time.sleep(0.3)
+        os.kill(victim.pid, signal.SIGKILL)  # in the middle of one of its layer calls
+        _abuse_the_port(server, checkpoints("gpt2"))
+        outcomes = {r["name"]: r for r in (results.get(timeout=240) for _ in JOBS)}
+        for process in clients:
+            process.join(30)
+        victim.join(5)
+        for name, outcome in outcomes.items():
+            assert outcome["ok"], f"{name} differs from its vanilla run or failed: {outcome}"
+
+        with symbiont.connect(server.url("tcp"), mode="zmq") as probe:
+            deadline = time.monotonic() + 10
+            while "victim" in [c["label"] for c in probe.stats()["clients"]]:
+                assert time.monotonic() < deadline, "the killed client's session was never freed"
+                time.sleep(0.2)
+            stats = probe.stats()
+        assert stats["errors"] >= 1 and stats["total"]["calls"] > 0
+        assert server.proc.poll() is None, f"serve-base died:\n{server.log_text()}"
+        ipc_path = server.url("ipc").removeprefix("ipc://")
+        assert server.stop() == 0, f"serve-base did not exit cleanly:\n{server.log_text()}"
+    log = server.log_text()
+    assert "serving" in log and "stopped" in log, log
+    assert not Path(ipc_path).exists(), "the IPC socket file was left behind"
