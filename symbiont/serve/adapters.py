@@ -1,8 +1,7 @@
 """Adapters served side by side: PEFT folders parsed into slots of stacked weights.
 
 Each targeted base layer is wrapped once in an `AdapterLayer` holding, for every slot,
-LoRA `A [slots, in, r_max]`, `B [slots, r_max, out]`, `scale [slots]` (mixed ranks
-zero-padded) and IA3 vectors `[slots, in]` (feed-forward layers scale their input) or
+LoRA `A [slots, r_max, in]` and `B·scale [slots, r_max, out]` (mixed ranks zero-padded) and IA3 vectors `[slots, in]` (feed-forward layers scale their input) or
 `[slots, out]` (other layers scale their output). Slot 0 is "no adapter": zero LoRA
 and unit IA3. Per iteration the layer runs one base call for all tokens, one gather for
 IA3 and one grouped pair of `bmm`s for LoRA, whatever mix of adapters is in the batch.
@@ -24,7 +23,7 @@ from torch import nn
 
 from symbiont.layers import find_base_layers
 from symbiont.serve.config import EngineConfig
-from symbiont.serve.context import AdapterBatch, current_context
+from symbiont.serve.context import AdapterBatch, LoraBucket, current_context
 from symbiont.skeleton import owner_of
 
 _PEFT_PREFIX = "base_model.model."
@@ -78,9 +77,8 @@ class AdapterLayer(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features, self.num_slots = in_features, out_features, num_slots
-        self.lora_a: torch.Tensor | None = None  # [slots, in, r_max]
-        self.lora_b: torch.Tensor | None = None  # [slots, r_max, out]
-        self.lora_scale: torch.Tensor | None = None  # [slots]
+        self.lora_a: torch.Tensor | None = None  # [slots, r_max, in]
+        self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
         self.ia3_out: torch.Tensor | None = None  # [slots, out]
 
@@ -99,28 +97,27 @@ class AdapterLayer(nn.Module):
         y = self.base(h)  # [n_tokens, out]: one base call for the whole batch
         if batch.has_ia3 and self.ia3_out is not None:
             y = y * self.ia3_out[batch.token_slots]
-        if batch.has_lora and self.lora_a is not None:
-            # index_put_ (tokens are distinct): CPU index_add is orders of magnitude slower
-            y.index_put_((batch.group_tokens,), self._lora_delta(flat, batch), accumulate=True)
+        if batch.lora and self.lora_a is not None:
+            for bucket in batch.lora:  # at most log2(max_lora_rank) + 1 rank buckets
+                # index_put_ (tokens are distinct): CPU index_add is far slower
+                y.index_put_((bucket.tokens,), self._lora_delta(flat, bucket), accumulate=True)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _lora_delta(self, flat: torch.Tensor, batch: AdapterBatch) -> torch.Tensor:
-        """Grouped LoRA: y[tokens of slot s] += x @ A[s] @ B[s] * scale[s] for every slot
-        in the batch at once. -> [n_lora_tokens, out], rows in `batch.group_tokens` order"""
-        r = batch.lora_rank
-        xg = flat[batch.group_index]  # [groups, max_len, in]
-        a = self.lora_a[batch.group_slots, :, :r]  # [groups, in, r]
-        b = self.lora_b[batch.group_slots, :r, :]  # [groups, r, out]
-        delta = torch.bmm(torch.bmm(xg, a), b)  # [groups, max_len, out]
-        delta = delta * self.lora_scale[batch.group_slots][:, None, None]
-        return delta.reshape(-1, self.out_features)[batch.group_valid]
+    def _lora_delta(self, flat: torch.Tensor, bucket: LoraBucket) -> torch.Tensor:
+        """Grouped LoRA: x @ A[s] @ B[s] for the tokens of every slot s of the bucket at once.
+        flat [n_tokens, in] -> [n_valid, out], rows in `bucket.tokens` order"""
+        r = bucket.rank
+        a = self.lora_a[:, :r].index_select(0, bucket.slots)  # [groups, r, in]
+        b = self.lora_b[:, :r].index_select(0, bucket.slots)  # [groups, r, out]
+        xg = flat[bucket.index]  # [groups, max_len, in]
+        delta = torch.bmm(torch.bmm(xg, a.transpose(1, 2)), b)  # [groups, max_len, out]
+        return delta.reshape(-1, self.out_features).index_select(0, bucket.rows)
 
     def ensure_lora(self, max_rank: int) -> None:
         if self.lora_a is None:
             like = dict(dtype=self._dtype(), device=self._device())
-            self.lora_a = torch.zeros(self.num_slots, self.in_features, max_rank, **like)
+            self.lora_a = torch.zeros(self.num_slots, max_rank, self.in_features, **like)
             self.lora_b = torch.zeros(self.num_slots, max_rank, self.out_features, **like)
-            self.lora_scale = torch.zeros(self.num_slots, **like)
 
     def ensure_ia3(self, feedforward: bool) -> torch.Tensor:
         name, width = (
@@ -136,16 +133,14 @@ class AdapterLayer(nn.Module):
         if self.lora_a is not None:
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()
-            self.lora_scale[slot] = 0
         for stack in (self.ia3_in, self.ia3_out):
             if stack is not None:
                 stack[slot].fill_(1)
         if isinstance(weights, LoraWeights):
             self.ensure_lora(max_rank)
             r = weights.rank
-            self.lora_a[slot, :, :r].copy_(weights.a.t())
-            self.lora_b[slot, :r, :].copy_(weights.b.t())
-            self.lora_scale[slot] = weights.scale
+            self.lora_a[slot, :r].copy_(weights.a)
+            self.lora_b[slot, :r].copy_(weights.b.t() * weights.scale)
         elif isinstance(weights, Ia3Weights):
             self.ensure_ia3(weights.feedforward)[slot].copy_(weights.vector)
 
@@ -184,8 +179,7 @@ class AdapterRegistry:
         self._by_name: dict[str, _Resident] = {}
         self._by_slot: dict[int, _Resident] = {}
         self._free = list(range(config.num_slots - 1, 0, -1))
-        self.slot_rank = [0] * config.num_slots
-        self.slot_is_lora = [False] * config.num_slots
+        self.slot_bucket = [0] * config.num_slots  # LoRA rank rounded up; 0 = not LoRA
         self.slot_is_ia3 = [False] * config.num_slots
 
     # -- reading adapters -------------------------------------------------------------
@@ -289,8 +283,7 @@ class AdapterRegistry:
         resident = _Resident(name, slot, weights)
         self._by_name[name] = resident
         self._by_slot[slot] = resident
-        self.slot_rank[slot] = weights.rank
-        self.slot_is_lora[slot] = weights.method == "lora"
+        self.slot_bucket[slot] = _bucket_rank(weights.rank, self.config.max_lora_rank)
         self.slot_is_ia3[slot] = weights.method == "ia3"
         return slot
 
@@ -324,8 +317,8 @@ class AdapterRegistry:
         for layer in self._layers.values():
             layer.put(resident.slot, None, self.config.max_lora_rank)
         del self._by_slot[resident.slot]
-        self.slot_rank[resident.slot] = 0
-        self.slot_is_lora[resident.slot] = self.slot_is_ia3[resident.slot] = False
+        self.slot_bucket[resident.slot] = 0
+        self.slot_is_ia3[resident.slot] = False
         self._free.append(resident.slot)
 
     def _layer(self, module_name: str) -> AdapterLayer:
@@ -359,6 +352,42 @@ class AdapterRegistry:
     @property
     def num_loaded(self) -> int:
         return len(self._by_name)
+
+
+def adapter_batch(token_slots: torch.Tensor, registry: AdapterRegistry) -> AdapterBatch:
+    """Per-iteration adapter metadata: LoRA tokens sorted into rank buckets and slot groups
+    (one sort per iteration, reused by every layer). token_slots [n_tokens]"""
+    device = token_slots.device
+    bucket_of = torch.tensor(registry.slot_bucket, device=device)[token_slots]  # [n_tokens]
+    is_ia3 = torch.tensor(registry.slot_is_ia3, device=device)
+    ranks = sorted(set(bucket_of.tolist()) - {0})
+    return AdapterBatch(
+        token_slots=token_slots,
+        lora=tuple(_lora_bucket(token_slots, bucket_of == r, r) for r in ranks),
+        has_ia3=bool(is_ia3[token_slots].any()),
+    )
+
+
+def _lora_bucket(token_slots: torch.Tensor, member: torch.Tensor, rank: int) -> LoraBucket:
+    """Group the tokens in `member` by slot, padded to the largest group."""
+    device = token_slots.device
+    tokens = torch.nonzero(member).flatten()  # [n_valid]
+    slots = token_slots[tokens]
+    order = torch.argsort(slots, stable=True)
+    tokens, slots = tokens[order], slots[order]
+    group_slots, counts = torch.unique_consecutive(slots, return_counts=True)
+    max_len = int(counts.max())
+    group_of = torch.repeat_interleave(torch.arange(len(group_slots), device=device), counts)
+    first = torch.cumsum(counts, 0) - counts  # [n_groups] first row of each group
+    rows = group_of * max_len + torch.arange(len(tokens), device=device) - first[group_of]
+    index = torch.zeros(len(group_slots) * max_len, dtype=torch.long, device=device)
+    index[rows] = tokens
+    return LoraBucket(rank, group_slots, index.view(len(group_slots), max_len), rows, tokens)
+
+
+def _bucket_rank(rank: int, max_rank: int) -> int:
+    """rank rounded up to a power of two, at most max_rank; 0 stays 0 (not LoRA)."""
+    return 0 if rank == 0 else min(1 << (rank - 1).bit_length(), max_rank)
 
 
 def _servable(model: nn.Module, module: nn.Module) -> bool:

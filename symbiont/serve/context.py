@@ -50,21 +50,28 @@ class AttnGroup:
 
 
 @dataclass(frozen=True)
-class AdapterBatch:
-    """Which adapter slot each token uses, grouped so each layer runs one batched op.
+class LoraBucket:
+    """LoRA tokens of the slots whose rank rounds up to `rank`, grouped by slot.
 
-    LoRA tokens are gathered into `[n_groups, max_group_len]` (one group per distinct
-    slot in the batch), multiplied with that slot's stacked A and B in one `bmm` each,
-    and scattered back: semantically `y[tokens of slot s] += x[...] @ A[s] @ B[s] * scale[s]`.
+    Semantics, for every slot s in `slots`: `y[tokens of s] += x[tokens of s] @ A[s] @ B[s]`
+    (B already scaled). Tokens are gathered into `[n_groups, max_group_len]` so a layer
+    runs one `bmm` pair per bucket; buckets (powers of two up to max_lora_rank) keep a
+    rank-8 adapter from being padded to rank 64, and there are at most log2(r_max) + 1.
     """
 
+    rank: int  # slots' ranks round up to this; stacks are sliced to it
+    slots: torch.Tensor  # [n_groups] adapter slot of each group
+    index: torch.Tensor  # [n_groups, max_group_len] flat token index (padding -> 0)
+    rows: torch.Tensor  # [n_valid] row of each real token in the flattened padded layout
+    tokens: torch.Tensor  # [n_valid] flat token index of each real row
+
+
+@dataclass(frozen=True)
+class AdapterBatch:
+    """Which adapter slot each token uses, prepared once per iteration for every layer."""
+
     token_slots: torch.Tensor  # [n_tokens] adapter slot per token, 0 = none
-    group_slots: torch.Tensor  # [n_groups] slot of each LoRA group
-    group_index: torch.Tensor  # [n_groups, max_group_len] flat token index (padding -> 0)
-    group_valid: torch.Tensor  # [n_groups * max_group_len] bool: real rows of the padded layout
-    group_tokens: torch.Tensor  # [n_valid] flat token index of each real row, in padded order
-    lora_rank: int  # largest LoRA rank among the batch's slots (stacks are sliced to it)
-    has_lora: bool
+    lora: tuple[LoraBucket, ...]  # empty when no token uses LoRA
     has_ia3: bool
 
 

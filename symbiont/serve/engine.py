@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from symbiont.serve.adapters import AdapterRegistry, AdapterWeights
+from symbiont.serve.adapters import AdapterRegistry, AdapterWeights, adapter_batch
 from symbiont.serve.attention import register_attention
 from symbiont.serve.config import EngineConfig
-from symbiont.serve.context import AdapterBatch, AttnGroup, StepContext, use_context
+from symbiont.serve.context import AttnGroup, StepContext, use_context
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.sampler import sample
 from symbiont.serve.scheduler import ScheduledSeq, Scheduler
@@ -231,7 +231,7 @@ class Engine:
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             attn_groups=groups,
-            adapters=self._adapter_batch(self._tensor(token_slots)),
+            adapters=adapter_batch(self._tensor(token_slots), self.adapters),
         )
         return _Batch(self._tensor(ids), self._tensor(positions), self._tensor(sample_rows), ctx)
 
@@ -268,38 +268,6 @@ class Engine:
         pos = torch.arange(max_kv)
         slots = table[:, pos // size] * size + pos % size  # [n_seqs, max_kv]
         return slots.to(self.device)
-
-    def _adapter_batch(self, token_slots: torch.Tensor) -> AdapterBatch:
-        """Group LoRA tokens by slot (one sort per iteration, reused by every layer)."""
-        registry = self.adapters
-        is_lora = torch.tensor(registry.slot_is_lora, device=self.device)
-        is_ia3 = torch.tensor(registry.slot_is_ia3, device=self.device)
-        tokens = torch.nonzero(is_lora[token_slots]).flatten()  # [n_lora_tokens]
-        slots = token_slots[tokens]
-        order = torch.argsort(slots, stable=True)
-        tokens, slots = tokens[order], slots[order]
-        group_slots, counts = torch.unique_consecutive(slots, return_counts=True)
-        n_groups = len(group_slots)
-        max_len = int(counts.max()) if n_groups else 0
-        group_of = torch.repeat_interleave(torch.arange(n_groups, device=self.device), counts)
-        first = torch.cumsum(counts, 0) - counts  # [n_groups] first row of each group
-        row = torch.arange(len(tokens), device=self.device) - first[group_of]
-        flat = group_of * max_len + row  # position of each LoRA token in the padded layout
-        group_index = torch.zeros(n_groups * max_len, dtype=torch.long, device=self.device)
-        group_index[flat] = tokens
-        group_valid = torch.zeros(n_groups * max_len, dtype=torch.bool, device=self.device)
-        group_valid[flat] = True
-        ranks = [registry.slot_rank[s] for s in group_slots.tolist()]
-        return AdapterBatch(
-            token_slots=token_slots,
-            group_slots=group_slots,
-            group_index=group_index.view(n_groups, max_len),
-            group_valid=group_valid,
-            group_tokens=tokens,
-            lora_rank=max(ranks, default=0),
-            has_lora=n_groups > 0,
-            has_ia3=bool(is_ia3[token_slots].any()),
-        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
