@@ -20,7 +20,7 @@ def call(session, layer, tokens, at, op=Op.FORWARD):
 
 def scheduler(kind=PolicyKind.OPPORTUNISTIC, count=3, **kw):
     table = sessions(count)
-    return Scheduler(BatchingPolicy(kind=kind, **kw), table), list(table.values())
+    return Scheduler(BatchingPolicy(kind=kind, **kw), table, n_layers=16), list(table.values())
 
 
 def test_waits_grow_with_size_and_are_capped():
@@ -39,7 +39,7 @@ def test_alone_a_call_runs_at_once():
 
 def test_calls_of_one_layer_batch_across_clients_and_directions():
     sched, (a, b, c) = scheduler(max_wait_s=0.01, wait_per_token_s=1e-3)
-    c.last_reply = 0.0  # c was active just now and may still call
+    c.last_reply, c.last_layer = 0.0, 1  # c was active just now, one layer behind
     sched.submit(call(a, 2, 5, at=0.0))
     sched.submit(call(b, 2, 7, at=0.001, op=Op.BACKWARD))
     assert sched.pop_ready(0.002) is None, "a 5-token call may wait 5 ms for company"
@@ -50,7 +50,7 @@ def test_calls_of_one_layer_batch_across_clients_and_directions():
 
 def test_small_call_never_waits_longer_than_its_own_bound_behind_a_big_one():
     sched, (big, small, other) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-4)
-    other.last_reply = 0.0
+    other.last_reply, other.last_layer = 0.0, 15  # finishing its pass: layer 0 comes next
     sched.submit(call(big, 0, 4000, at=0.0))  # fine-tuning: may wait the full 50 ms
     sched.submit(call(small, 0, 1, at=0.001))  # decode: may wait 0.1 ms
     assert sched.pop_ready(0.0010) is None
@@ -62,9 +62,23 @@ def test_queue_runs_when_everyone_active_is_waiting():
     sched, (a, b, _) = scheduler(max_wait_s=1.0, wait_per_token_s=1.0)
     a.last_reply = b.last_reply = 0.0
     sched.submit(call(a, 1, 10, at=0.0))
-    assert sched.pop_ready(0.001) is None, "b was active and may join"
+    assert sched.pop_ready(0.001) is None, "b was active at layer 0 and may join"
     sched.submit(call(b, 1, 10, at=0.001))
     assert len(sched.pop_ready(0.001)) == 2, "nobody else can add work: no reason to wait"
+
+
+def test_no_wait_for_a_client_already_past_the_layer():
+    sched, (a, b, _) = scheduler(max_wait_s=1.0, wait_per_token_s=1.0)
+    b.last_reply, b.last_layer = 0.0, 9  # active, but past layer 5 until its next pass
+    sched.submit(call(a, 5, 10, at=0.0))
+    assert len(sched.pop_ready(0.001)) == 1
+
+
+def test_backward_passes_run_down_the_layers():
+    sched, (a, b, _) = scheduler(max_wait_s=1.0, wait_per_token_s=1.0)
+    b.last_reply, b.last_layer, b.last_op = 0.0, 9, Op.BACKWARD  # on its way down to 5
+    sched.submit(call(a, 5, 10, at=0.0, op=Op.BACKWARD))
+    assert sched.pop_ready(0.001) is None
 
 
 def test_max_batch_tokens_splits_a_queue():

@@ -32,6 +32,8 @@ class Session:
     waiting: bool = False  # has a call queued or running
     last_reply: float = float("-inf")  # monotonic time its last call was answered
     last_seen: float = 0.0
+    last_layer: int = 0  # layer and direction of its latest call: where it is in the model
+    last_op: Op = Op.FORWARD
     calls: int = 0
     tokens: int = 0
 
@@ -57,8 +59,9 @@ class Call:
 class Scheduler:
     """Queues calls per layer; `pop_ready` hands out the next batch under the policy."""
 
-    def __init__(self, policy: BatchingPolicy, sessions: dict[bytes, Session]):
+    def __init__(self, policy: BatchingPolicy, sessions: dict[bytes, Session], n_layers: int):
         self.policy = policy
+        self.n_layers = n_layers
         self.sessions = sessions
         self.queues: dict[int, list[Call]] = {}
         self.fifo: deque[Call] = deque()  # arrival order, for no-lockstep
@@ -70,6 +73,8 @@ class Scheduler:
 
     def submit(self, call: Call) -> None:
         call.session.waiting = True
+        call.session.last_layer = call.layer
+        call.session.last_op = call.op
         self.fifo.append(call)
         queue = self.queues.setdefault(call.layer, [])
         queue.append(call)
@@ -107,15 +112,32 @@ class Scheduler:
     # -- policies -------------------------------------------------------------
 
     def _opportunistic(self, now: float) -> int | None:
-        if not self._others_expected(now, self.policy.max_wait_s):
-            return min(self.deadline, key=self.deadline.get)
-        layer = min(self.deadline, key=self.deadline.get)
-        if self.deadline[layer] <= now:
-            return layer
-        for layer, queue in self.queues.items():
-            if sum(c.tokens for c in queue) >= self.policy.max_batch_tokens:
+        """The due queue with the earliest deadline: due when its most impatient call has
+        waited enough, when it is full, or when no client could still join it."""
+        for layer in sorted(self.deadline, key=self.deadline.get):
+            queue = self.queues[layer]
+            if (
+                self.deadline[layer] <= now
+                or sum(c.tokens for c in queue) >= self.policy.max_batch_tokens
+                or not self._could_join(layer, queue, now)
+            ):
                 return layer
         return None
+
+    def _could_join(self, layer: int, queue: list[Call], now: float) -> bool:
+        """Is a client not in `queue` on its way to `layer`? Clients call layers in model
+        order (ids ascending forward, descending backward), so one that last called a
+        layer up to half a model pass before `layer` and was active within `max_wait_s`
+        may still arrive; one past it will not until its next pass."""
+        inside = {c.session for c in queue}
+        horizon = max(1, self.n_layers // 2)
+        for s in self.sessions.values():
+            if s in inside or (not s.waiting and now - s.last_reply >= self.policy.max_wait_s):
+                continue
+            ahead = (layer - s.last_layer) if s.last_op is Op.FORWARD else (s.last_layer - layer)
+            if 0 < ahead % self.n_layers <= horizon:
+                return True
+        return False
 
     def _lockstep(self, now: float) -> int | None:
         oldest = self.fifo[0]

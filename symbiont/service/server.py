@@ -65,7 +65,7 @@ class ExecutorServer:
         self.manifest = executor.manifest
         self.dtype_name = DTYPE_NAMES[self.manifest.dtype]
         self.sessions: dict[bytes, Session] = {}
-        self.scheduler = Scheduler(config.policy, self.sessions)
+        self.scheduler = Scheduler(config.policy, self.sessions, len(self.manifest.layers))
         self.stats = Stats([spec.name for spec in self.manifest.layers])
         self.widths = [(s.in_features, s.out_features) for s in self.manifest.layers]
         self.endpoints: list[str] = []
@@ -75,6 +75,8 @@ class ExecutorServer:
         self._last_busy = 0.0
         self._next_housekeeping = 0.0
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
+        self._spin_ok = True
+        self._cores = shm.cores()
         self._welcome = self.manifest.to_dict()
 
     # -- lifecycle --------------------------------------------------------------
@@ -136,7 +138,7 @@ class ExecutorServer:
             self._housekeeping(now)
         wake = self.scheduler.next_wake(now)
         if (wake is not None and wake < 1e-3) or (
-            now - self._last_busy < self._spin_s and self._shm_sessions()
+            self._spin_ok and now - self._last_busy < self._spin_s and self._shm_sessions()
         ):
             os.sched_yield()  # spin (a deadline is near, or shared-memory calls keep coming)
             return
@@ -312,6 +314,7 @@ class ExecutorServer:
             session.segment.close()
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
+        self._update_spin()
         self._send(session.key, pack(Kind.OK, header[1]))
 
     def _frame_call(self, session: Session, header: list, frames: list) -> None:
@@ -462,6 +465,14 @@ class ExecutorServer:
         if session.segment is not None:
             session.segment.close()
             session.segment = None
+            self._update_spin()
+
+    def _update_spin(self) -> None:
+        """Spin only while the executor and each shared-memory client can have a core."""
+        sessions = self._shm_sessions()
+        self._spin_ok = self._spin_s > 0 and len(sessions) + 1 <= self._cores
+        for s in sessions:
+            s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
 
 
 def _mapping(header: list, index: int) -> dict:

@@ -310,7 +310,7 @@ class RemoteExecutor(Executor):
     def _wait_shm(self, ctrl, seq: int) -> list | None:
         """Spin on the answer's sequence number, then sleep on the socket for a RING.
         Returns the executor's ERROR header if one arrived for this call."""
-        spin_until = time.perf_counter() + self._spin_s
+        spin_until = time.perf_counter() + (self._spin_s if ctrl[shm.SPIN_OK] else 0.0)
         while ctrl[shm.RESP_SEQ] != seq:
             if time.perf_counter() > spin_until:
                 break

@@ -6,6 +6,7 @@ Layout (offsets in bytes):
             REQ_SEQ, OP, LAYER, ROWS            written by the client
             RESP_SEQ, STATUS, OUT_ROWS          written by the executor
             SERVER_ASLEEP                       executor: "ring me, I am not spinning"
+            SPIN_OK                             executor: "spinning pays: a core each"
             CLIENT_ASLEEP                       client: "ring me, I am not spinning"
     256   input area   x [rows, width_in]     (capacity bytes)
     256+c output area  y [rows, width_out]    (capacity bytes)
@@ -13,7 +14,9 @@ Layout (offsets in bytes):
 A call moves no tensor bytes through the socket: the client copies x into the input
 area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
 runs the call, writes y and bumps RESP_SEQ. Only a side that is not spinning is woken
-through the socket (a RING doorbell). On x86-64 stores are seen in program order, so
+through the socket (a RING doorbell). Spinning only pays when every spinner has a core:
+the executor clears SPIN_OK while its shared-memory clients outnumber the cores, and
+then both sides sleep on the socket between calls. On x86-64 stores are seen in program order, so
 seeing a new sequence number implies seeing the data written before it; elsewhere the
 fast path is off and every call rings (the socket's system calls order memory).
 
@@ -37,7 +40,7 @@ import torch
 
 REQ_SEQ, OP, LAYER, ROWS = 0, 1, 2, 3
 RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
-SERVER_ASLEEP = 16
+SERVER_ASLEEP, SPIN_OK = 16, 17
 CLIENT_ASLEEP = 24
 HEADER_BYTES = 256
 MAX_CACHED_VIEWS = 256
@@ -125,3 +128,10 @@ class Segment:
         # A caller may still hold a view; then the mapping goes when that view goes.
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
