@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--static-batch", type=int, default=32)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on shared CPUs)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -59,22 +59,27 @@ def _group_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """-> [n_valid, heads, hd]: attention output of the group's real query rows."""
+    """-> [n_valid, heads, hd]: attention output of the group's real query rows.
+
+    Grouped-query attention without copying K/V per head: the query heads sharing a KV
+    head are stacked along the query axis (head h uses KV head h // (heads / kv_heads),
+    as transformers' `repeat_kv` does)."""
     n_seqs, max_q = group.q_index.shape
-    heads, kv_heads = q.shape[1], k_pool.shape[1]
-    qg = q[group.q_index].transpose(1, 2)  # [n_seqs, heads, max_q, hd]
+    heads, kv_heads, hd = q.shape[1], k_pool.shape[1], q.shape[2]
+    share = heads // kv_heads
+    qg = q[group.q_index].permute(0, 2, 1, 3)  # [n_seqs, heads, max_q, hd]
+    qg = qg.reshape(n_seqs, kv_heads, share * max_q, hd)
     k = k_pool[group.kv_slots].transpose(1, 2)  # [n_seqs, kv_heads, max_kv, hd]
     v = v_pool[group.kv_slots].transpose(1, 2)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [n_seqs, heads, max_q, max_kv]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [n_seqs, kv_heads, share*max_q, max_kv]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~group.mask(window), float("-inf"))
+    scores = scores.view(n_seqs, kv_heads, share, max_q, -1)
+    scores = scores.masked_fill(~group.mask(window)[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    rows = torch.matmul(probs, v).transpose(1, 2)  # [n_seqs, max_q, heads, hd]
-    return rows.reshape(n_seqs * max_q, heads, -1)[group.q_valid]
+    rows = torch.matmul(probs.view(n_seqs, kv_heads, share * max_q, -1), v)
+    rows = rows.view(n_seqs, heads, max_q, hd).transpose(1, 2)  # [n_seqs, max_q, heads, hd]
+    return rows.reshape(n_seqs * max_q, heads, hd)[group.q_valid]
 
 
 def register_attention() -> str:
