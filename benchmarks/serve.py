@@ -233,7 +233,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--static-batch", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on shared CPUs)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1 is steadiest on shared CPUs)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -265,6 +267,11 @@ def main(argv=None) -> int:
     for result in results:
         print(result.row())
     ours, base, static = results
+    offered = sum(i.max_tokens for i in trace) / max(trace[-1].arrival, 1e-9)
+    print(f"\noffered load: {offered:.1f} tokens/s", end="")
+    if base.throughput > 0.9 * offered:
+        print("  (servers are arrival-bound: raise --rate to compare capacity)", end="")
+    print()
     overhead = 1 - ours.throughput / base.throughput
     speedup = ours.throughput / static.throughput
     print(
