@@ -276,3 +276,27 @@ def test_stats_report_clients_and_layers(served):
     assert stats["layers"][first]["tokens"] >= 5
     assert {"tokens_per_s", "uptime_s", "policy", "total"} <= stats.keys()
     assert first in render(stats)
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_calls_sharing_one_input_take_one_round_trip(served, mode):
+    base = served.executor
+    q, k, v = (base.manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv")
+    with remote(served.endpoints[1], mode=mode) as executor:
+
+        def served_calls():
+            return executor.stats()["total"]["calls"]
+
+        x = torch.randn(3, 32)
+        for _ in range(2):  # the first pass teaches the client that q, k, v share x
+            before = served_calls()
+            for layer in (q, k, v):
+                assert torch.equal(executor.forward(layer, x), base.forward(layer, x))
+        assert served_calls() - before == 1, "k and v were not fused into q's call"
+
+        executor.forward(q, x)
+        x.add_(1.0)  # modified in place after q: k must see the new values
+        assert torch.equal(executor.forward(k, x), base.forward(k, x)), "stale fused output"
+        y = torch.randn(3, 32)
+        executor.forward(q, y)
+        assert torch.equal(executor.forward(v, y.clone()), base.forward(v, y)), "another tensor"

@@ -49,6 +49,7 @@ class Call:
     x: torch.Tensor
     arrived: float
     via_shm: bool = False
+    extra: tuple[int, ...] = ()  # forward only: more layers fed the same x (q/k/v, gate/up)
     frames: list = field(default_factory=list)  # keeps received buffers alive
 
     @property
@@ -112,17 +113,27 @@ class Scheduler:
     # -- policies -------------------------------------------------------------
 
     def _opportunistic(self, now: float) -> int | None:
-        """The due queue with the earliest deadline: due when its most impatient call has
-        waited enough, when it is full, or when no client could still join it."""
-        for layer in sorted(self.deadline, key=self.deadline.get):
-            queue = self.queues[layer]
-            if (
-                self.deadline[layer] <= now
-                or sum(c.tokens for c in queue) >= self.policy.max_batch_tokens
-                or not self._could_join(layer, queue, now)
-            ):
-                return layer
-        return None
+        """A call that waited `max_wait_s` runs first. Otherwise, of the queues that are due
+        (their most impatient call waited enough, they are full, or no other client could
+        still join them), the one earliest in the model pass runs: clients behind catch up
+        with those ahead, which wait for them, and their calls merge into one batch."""
+        oldest = self.fifo[0]
+        if now - oldest.arrived >= self.policy.max_wait_s:
+            return oldest.layer
+        due = [
+            layer
+            for layer, queue in self.queues.items()
+            if self.deadline[layer] <= now
+            or sum(c.tokens for c in queue) >= self.policy.max_batch_tokens
+            or not self._could_join(layer, queue, now)
+        ]
+        return min(due, key=self._position) if due else None
+
+    def _position(self, layer: int) -> int:
+        """Order of a queue in a model pass: forward 0..N-1, then backward N-1..0."""
+        if any(c.op is Op.FORWARD for c in self.queues[layer]):
+            return layer
+        return 2 * self.n_layers - 1 - layer
 
     def _could_join(self, layer: int, queue: list[Call], now: float) -> bool:
         """Is a client not in `queue` on its way to `layer`? Clients call layers in model

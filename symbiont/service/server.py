@@ -329,8 +329,29 @@ class ExecutorServer:
             raise Refused(
                 Code.BAD_CALL, f"CALL declares {nbytes} bytes of tensor data, sent {got} bytes"
             )
+        extra = self._check_extra(op, layer, rows, header[7] if len(header) > 7 else ())
         x = tensor_from(frames[2].buffer, self.manifest.dtype, rows, cols)
-        self.scheduler.submit(Call(session, call_id, op, layer, x, time.monotonic()))
+        self.scheduler.submit(Call(session, call_id, op, layer, x, time.monotonic(), extra=extra))
+
+    def _check_extra(self, op: Op, layer: int, rows: int, extra) -> tuple[int, ...]:
+        """Layers fused into a forward call: they take the same input as `layer`."""
+        if not extra:
+            return ()
+        if not isinstance(extra, list | tuple) or not all(type(e) is int for e in extra):
+            raise WireError("fused layers must be a list of layer ids")
+        if op is not Op.FORWARD or len(extra) > shm.MAX_FUSED:
+            raise Refused(Code.BAD_CALL, f"only forward calls fuse, at most {shm.MAX_FUSED} more")
+        for other in extra:
+            if not 0 <= other < len(self.widths) or self.widths[other][0] != self.widths[layer][0]:
+                raise Refused(
+                    Code.BAD_CALL,
+                    f"layer {other} cannot be fused with layer {layer}: its "
+                    "input width differs or it does not exist",
+                )
+        width = sum(self.widths[e][1] for e in (layer, *extra))
+        if rows * width * self.manifest.dtype.itemsize > self.config.max_call_bytes:
+            raise Refused(Code.TOO_LARGE, "fused call exceeds max_call_bytes; split it")
+        return tuple(extra)
 
     def _check_call(self, op: int, layer: int, rows: int, dtype) -> Op:
         if op not in (Op.FORWARD, Op.BACKWARD):
@@ -376,10 +397,14 @@ class ExecutorServer:
 
     def _shm_call(self, session: Session, segment, seq: int) -> None:
         ctrl = segment.ctrl
-        op, layer, rows = ctrl[shm.OP], ctrl[shm.LAYER], ctrl[shm.ROWS]
+        op, layer, rows, fused = ctrl[shm.OP], ctrl[shm.LAYER], ctrl[shm.ROWS], ctrl[shm.FUSED]
         try:
             op = self._check_call(op, layer, rows, None)
+            if not 0 <= fused <= shm.MAX_FUSED:
+                raise Refused(Code.BAD_CALL, f"at most {shm.MAX_FUSED} fused layers")
+            extra = self._check_extra(op, layer, rows, list(ctrl[shm.EXTRA : shm.EXTRA + fused]))
             in_w, out_w = self.widths[layer] if op is Op.FORWARD else self.widths[layer][::-1]
+            out_w += sum(self.widths[e][1] for e in extra)
             if rows * max(in_w, out_w) * self.manifest.dtype.itemsize > segment.capacity:
                 raise Refused(Code.TOO_LARGE, "call larger than the shared-memory segment")
         except Refused as err:
@@ -389,7 +414,8 @@ class ExecutorServer:
             self._send_error(session.key, seq, err.code, str(err))
             return
         x = segment.input(self.manifest.dtype, rows, in_w)  # [rows, in_w], no copy
-        self.scheduler.submit(Call(session, seq, op, layer, x, time.monotonic(), via_shm=True))
+        call = Call(session, seq, op, layer, x, time.monotonic(), via_shm=True, extra=extra)
+        self.scheduler.submit(call)
 
     # -- running a batch ----------------------------------------------------------
 
@@ -406,37 +432,58 @@ class ExecutorServer:
         self.stats.record(layer, len(calls), tokens, waited, time.monotonic() - started)
 
     def _run_group(self, op: Op, layer: int, calls: list[Call]) -> int:
-        sizes = [c.tokens for c in calls]
-        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [sum n, in]
+        """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
+        outs = self._batched(op, layer, calls)
+        if outs is None:
+            return 0
+        answers = {id(c): [y] for c, y in zip(calls, outs, strict=True)}
+        for other in sorted({e for c in calls for e in c.extra}):
+            group = [c for c in calls if other in c.extra]
+            outs = self._batched(op, other, group)
+            if outs is None:
+                continue  # those calls were failed; the others still get their answers
+            for call, y in zip(group, outs, strict=True):
+                answers[id(call)].append(y)
+        for call in calls:
+            if call.session.waiting:  # not failed on the way
+                self._reply(call, answers[id(call)])
+        return sum(c.tokens for c in calls)
+
+    def _batched(self, op: Op, layer: int, calls: list[Call]) -> list[torch.Tensor] | None:
+        """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]."""
+        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
         try:
-            y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()  # [sum n, out]
+            y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
         except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
             log.exception("layer %d %s failed", layer, op.name.lower())
             for call in calls:
                 self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
-            return 0
-        outs = (y,) if len(calls) == 1 else y.split(sizes)
-        for call, out in zip(calls, outs, strict=True):
-            self._reply(call, out)
-        return sum(sizes)
+            return None
+        return [y] if len(calls) == 1 else list(y.split([c.tokens for c in calls]))
 
-    def _reply(self, call: Call, y: torch.Tensor) -> None:
-        """Answer one call with y [n_tokens, out]."""
+    def _reply(self, call: Call, ys: list[torch.Tensor]) -> None:
+        """Answer one call with its outputs, each [n_tokens, out_l], back to back."""
         session = call.session
         session.waiting = False
         session.last_reply = time.monotonic()
         session.calls += 1
         session.tokens += call.tokens
+        rows = call.tokens
         if not call.via_shm:
-            header = pack(Kind.RESULT, call.call_id, y.shape[0], y.shape[1])
-            self._sock.send_multipart([session.key, header, tensor_bytes(y)], copy=False)
+            cols = sum(y.shape[1] for y in ys)
+            data = tensor_bytes(ys[0] if len(ys) == 1 else torch.cat([y.reshape(-1) for y in ys]))
+            header = pack(Kind.RESULT, call.call_id, rows, cols)
+            self._sock.send_multipart([session.key, header, data], copy=False)
             return
         segment = session.segment
         if segment is None:
             return  # the client left while its call ran
-        segment.output(y.dtype, y.shape[0], y.shape[1]).copy_(y)
+        offset = 0
+        for y in ys:
+            segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
+            offset += y.numel()
         ctrl = segment.ctrl
-        ctrl[shm.OUT_ROWS] = y.shape[0]
+        ctrl[shm.OUT_ROWS] = rows
         ctrl[shm.STATUS] = 0
         ctrl[shm.RESP_SEQ] = call.call_id
         if ctrl[shm.CLIENT_ASLEEP] or not shm.SPIN_SAFE:

@@ -32,6 +32,7 @@ from symbiont.executor.interface import (
     check_call,
 )
 from symbiont.transport import shm
+from symbiont.transport.fusion import Fusion
 from symbiont.transport.urls import check_url, is_loopback
 from symbiont.transport.wire import (
     DTYPE_NAMES,
@@ -72,6 +73,7 @@ class ClientConfig:
     retries: int = 2
     spin_us: float = 1000.0
     shm_tokens: int = 64  # initial shared-memory capacity, in tokens of the widest layer
+    fuse: bool = True  # one round trip for forward calls sharing an input (q/k/v, gate/up)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -115,6 +117,7 @@ class RemoteExecutor(Executor):
         self._next_id = 0
         self._seq = 0
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
+        self._fusion = Fusion() if config.fuse else None
         self._open()
 
     @property
@@ -129,9 +132,18 @@ class RemoteExecutor(Executor):
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         check_call(self._manifest, op, layer, x)
         with self._lock:
+            extra = ()
+            if op is Op.FORWARD and self._fusion is not None:
+                ready = self._fusion.take(layer, x)
+                if ready is not None:
+                    return ready.to(x.device)
+                extra = self._fusion.plan(layer, x)
             for attempt in range(self.config.retries + 1):
                 try:
-                    return self._call(op, layer, x).to(x.device)
+                    outputs = self._call(op, layer, x, extra)
+                    if extra:
+                        self._fusion.keep(x, extra, outputs[1:])
+                    return outputs[0].to(x.device)
                 except _Lost:
                     log.warning(
                         "no answer from %s (attempt %d): reconnecting", self.url, attempt + 1
@@ -189,6 +201,8 @@ class RemoteExecutor(Executor):
             log.warning("%s", err)
 
     def _drop(self) -> None:
+        if self._fusion is not None:
+            self._fusion.forget()
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -224,6 +238,7 @@ class RemoteExecutor(Executor):
                 "reload the client"
             )
         self._manifest = manifest
+        self._widest = max(max(s.in_features, s.out_features) for s in manifest.layers)
         self._server_shm = bool(reply[3].get("shm")) if len(reply) > 3 else False
 
     def _attach_shm(self, tokens: int | None = None) -> None:
@@ -235,9 +250,8 @@ class RemoteExecutor(Executor):
                     f"{self.url} does not: connect with mode='zmq'"
                 )
             return
-        width = max(max(s.in_features, s.out_features) for s in self._manifest.layers)
         tokens = max(tokens or 0, self.config.shm_tokens)
-        segment = shm.Segment.create(tokens * width * self._manifest.dtype.itemsize)
+        segment = shm.Segment.create(tokens * self._widest * self._manifest.dtype.itemsize)
         try:
             call_id = self._send(
                 pack(Kind.ATTACH, self._new_id(), {"path": str(segment.path), "size": segment.size})
@@ -258,43 +272,63 @@ class RemoteExecutor(Executor):
 
     # -- calls -------------------------------------------------------------------
 
-    def _call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _call(self, op: Op, layer: int, x: torch.Tensor, extra: tuple[int, ...]) -> list:
+        """Outputs of `layer` and of each fused layer in `extra` (forward only), each
+        [rows, out_l]. x [rows, in_w]."""
         if self._sock is None:
             raise _Lost
-        spec = self._manifest.layers[layer]
+        layers = self._manifest.layers
+        spec = layers[layer]
         in_w, out_w = (
             (spec.in_features, spec.out_features)
             if op is Op.FORWARD
             else (spec.out_features, spec.in_features)
         )
+        out_ws = [out_w, *(layers[e].out_features for e in extra)]
         rows = x.shape[0]
         if self._segment is not None:
-            if rows * max(in_w, out_w) * x.element_size() > self._segment.capacity:
-                self._grow(rows)
+            if rows * max(in_w, sum(out_ws)) * x.element_size() > self._segment.capacity:
+                self._grow(rows * max(in_w, sum(out_ws)) // self._widest)
             if self._segment is not None:
-                return self._call_shm(op, layer, x, rows, in_w, out_w)
-        return self._call_frames(op, layer, x, rows, in_w, out_w)
+                return self._call_shm(op, layer, x, extra, in_w, out_ws)
+        return self._call_frames(op, layer, x, extra, in_w, out_ws)
 
-    def _grow(self, rows: int) -> None:
-        """A bigger segment for `rows` tokens (the next power of two)."""
-        self._attach_shm(1 << (rows - 1).bit_length())
+    def _grow(self, tokens: int) -> None:
+        """A bigger segment for `tokens` tokens of the widest layer (next power of two)."""
+        self._attach_shm(1 << max(tokens, 1).bit_length())
 
-    def _call_frames(self, op, layer, x, rows, in_w, out_w) -> torch.Tensor:
-        """x [rows, in_w] as a frame -> y [rows, out_w] from a frame."""
-        header = pack(Kind.CALL, self._new_id(), int(op), layer, rows, in_w, DTYPE_NAMES[x.dtype])
-        self._sock.send_multipart([header, tensor_bytes(x)], copy=rows * in_w < 8192)
-        reply = self._await(self._next_id, self.config.timeout_s, frames=True)
-        header, data = reply
-        return tensor_from(data, self._manifest.dtype, header[2], header[3])
+    def _call_frames(self, op, layer, x, extra, in_w, out_ws) -> list:
+        """x [rows, in_w] as a frame -> outputs [rows, out_w] back to back in one frame."""
+        rows = x.shape[0]
+        fields = [Kind.CALL, self._new_id(), int(op), layer, rows, in_w, DTYPE_NAMES[x.dtype]]
+        if extra:
+            fields.append(list(extra))
+        self._sock.send_multipart([pack(*fields), tensor_bytes(x)], copy=rows * in_w < 8192)
+        header, data = self._await(self._next_id, self.config.timeout_s, frames=True)
+        if header[2] != rows or header[3] != sum(out_ws):
+            raise ExecutorError(f"the executor answered [{header[2]}, {header[3]}]: a bug")
+        dtype = self._manifest.dtype
+        if len(out_ws) == 1:
+            return [tensor_from(data, dtype, rows, out_ws[0])]
+        outputs, start, view = [], 0, memoryview(data)
+        for width in out_ws:
+            size = rows * width * dtype.itemsize
+            outputs.append(tensor_from(view[start : start + size], dtype, rows, width))
+            start += size
+        return outputs
 
-    def _call_shm(self, op, layer, x, rows, in_w, out_w) -> torch.Tensor:
-        """x [rows, in_w] into shared memory -> y [rows, out_w] out of it (copied)."""
+    def _call_shm(self, op, layer, x, extra, in_w, out_ws) -> list:
+        """x [rows, in_w] into shared memory -> outputs [rows, out_w] out of it (copied)."""
         segment = self._segment
         ctrl = segment.ctrl
+        rows = x.shape[0]
         segment.input(x.dtype, rows, in_w).copy_(x)
         ctrl[shm.OP] = int(op)
         ctrl[shm.LAYER] = layer
         ctrl[shm.ROWS] = rows
+        ctrl[shm.FUSED] = len(extra)
+        for i, other in enumerate(extra):
+            ctrl[shm.EXTRA + i] = other
         self._seq += 1
         seq = self._seq
         ctrl[shm.REQ_SEQ] = seq
@@ -305,7 +339,11 @@ class RemoteExecutor(Executor):
             if error:
                 self._raise(error)
             self._await(seq, self.config.timeout_s)  # raises with the executor's message
-        return segment.output(x.dtype, rows, out_w).clone()
+        outputs, offset = [], 0
+        for width in out_ws:
+            outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
+            offset += rows * width
+        return outputs
 
     def _wait_shm(self, ctrl, seq: int) -> list | None:
         """Spin on the answer's sequence number, then sleep on the socket for a RING.

@@ -3,13 +3,15 @@
 Layout (offsets in bytes):
 
     0     control block: int64 slots, each group on its own cache line
-            REQ_SEQ, OP, LAYER, ROWS            written by the client
+            REQ_SEQ, OP, LAYER, ROWS, FUSED,    written by the client
+            EXTRA[0..2] (layers fused into the call, fed the same x)
             RESP_SEQ, STATUS, OUT_ROWS          written by the executor
             SERVER_ASLEEP                       executor: "ring me, I am not spinning"
             SPIN_OK                             executor: "spinning pays: a core each"
             CLIENT_ASLEEP                       client: "ring me, I am not spinning"
     256   input area   x [rows, width_in]     (capacity bytes)
-    256+c output area  y [rows, width_out]    (capacity bytes)
+    256+c output area  y [rows, width_out]    (capacity bytes; a fused call's outputs
+                                              follow one another)
 
 A call moves no tensor bytes through the socket: the client copies x into the input
 area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
@@ -38,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-REQ_SEQ, OP, LAYER, ROWS = 0, 1, 2, 3
+REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
+MAX_FUSED = 3
 RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
 SERVER_ASLEEP, SPIN_OK = 16, 17
 CLIENT_ASLEEP = 24
@@ -112,6 +115,13 @@ class Segment:
         key = (1, dtype, rows, cols)
         view = self._views.get(key)
         return view if view is not None else self._view(key, self._out)
+
+    def output_at(self, offset: int, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View [rows, cols] of the output area starting `offset` elements in."""
+        if offset == 0:
+            return self.output(dtype, rows, cols)
+        start = offset * dtype.itemsize
+        return self._out[start : start + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
 
     def _view(self, key: tuple, area: torch.Tensor) -> torch.Tensor:
         _, dtype, rows, cols = key
