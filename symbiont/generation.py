@@ -113,7 +113,7 @@ class TextStream(BaseStreamer):
         if cut is not None:
             text, self.stopped = text[:cut], True
         elif not final:
-            text = text[: len(text) - _held_back(text, self.stop)]
+            text = text[: len(text) - held_back(text, self.stop)]
         if len(text) > len(self.released) and text.startswith(self.released):
             new = text[len(self.released) :]
             self.released = text
@@ -126,7 +126,7 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(found) if found else None
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
+def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of `text` not yet final: an incomplete UTF-8 sequence
     (decoded as U+FFFD) or a proper prefix of some stop string."""
     if text.endswith("\ufffd"):

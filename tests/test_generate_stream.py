@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiont
-from symbiont.generation import GenerationSettings, TextStream, _held_back, generate
+from symbiont.generation import GenerationSettings, TextStream, held_back, generate
 from symbiont.train.session import load_tokenizer
 
 PROMPT = "Q: What is 20 plus 19?\nA:"
@@ -73,10 +73,10 @@ def test_stop_string_ends_generation_and_is_not_output(client):
     assert len(cut.token_ids) < len(full.token_ids), "generation must stop early, not run on"
 
 
-def test_text_that_may_start_a_stop_string_is_held_back():
-    assert _held_back("hello ##", ("###",)) == 2
-    assert _held_back("hello", ("###",)) == 0
-    assert _held_back("ab\ufffd", ()) == 1, "incomplete UTF-8 must wait for its next byte"
+def test_text_that_may_start_a_stop_string_isheld_back():
+    assert held_back("hello ##", ("###",)) == 2
+    assert held_back("hello", ("###",)) == 0
+    assert held_back("ab\ufffd", ()) == 1, "incomplete UTF-8 must wait for its next byte"
 
 
 class _CharTokenizer:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from symbiont.generation import held_back
 from symbiont.serve.adapters import AdapterRegistry, AdapterWeights, adapter_batch
 from symbiont.serve.attention import register_attention
 from symbiont.serve.config import EngineConfig
@@ -336,7 +337,7 @@ class Engine:
             if seq.finish_reason is None:
                 seq.finish_reason = FinishReason.STOP
         seq.text = text
-        safe = len(text) if seq.finish_reason else len(text) - _held_back(text, stops)
+        safe = len(text) if seq.finish_reason else len(text) - held_back(text, stops)
         delta = text[seq.sent_chars : max(safe, seq.sent_chars)]
         seq.sent_chars = max(safe, seq.sent_chars)
         return delta
@@ -408,21 +409,6 @@ def _offsets(scheduled: list[ScheduledSeq]) -> dict[int, int]:
         offsets[id(item)] = total
         total += item.n_tokens
     return offsets
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that may still become a stop string (or an
-    incomplete UTF-8 character), so must not be shown yet."""
-    partial = len(text) - len(text.rstrip("\ufffd"))
-    if partial:
-        return partial  # wait for the UTF-8 character to complete
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
 
 
 def _eos_ids(model: PreTrainedModel) -> set[int]:
