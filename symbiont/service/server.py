@@ -44,6 +44,8 @@ from symbiont.transport.wire import (
 log = logging.getLogger("symbiont.service")
 
 HOUSEKEEPING_S = 1.0
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum operators cost µs
+_OPS = {int(op): op for op in Op}
 SLEEP_RECHECK_MS = 20  # bounds the (tiny) race between "server asleep" and a client's post
 MAX_DRAIN = 256  # messages taken per loop turn, so shared-memory clients are not starved
 
@@ -76,6 +78,7 @@ class ExecutorServer:
         self._next_housekeeping = 0.0
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
         self._spin_ok = True
+        self._on_cpu = executor.device.type == "cpu"
         self._cores = shm.cores()
         self._welcome = self.manifest.to_dict()
 
@@ -138,10 +141,9 @@ class ExecutorServer:
             self._housekeeping(now)
         wake = self.scheduler.next_wake(now)
         if (wake is not None and wake < 1e-3) or (
-            self._spin_ok and now - self._last_busy < self._spin_s and self._shm_sessions()
+            self._spin_ok and now - self._last_busy < self._spin_s
         ):
-            os.sched_yield()  # spin (a deadline is near, or shared-memory calls keep coming)
-            return
+            return  # spin: a deadline is near, or shared-memory calls keep coming
         self._sleep(HOUSEKEEPING_S if wake is None else wake)
 
     def _sleep(self, seconds: float) -> None:
@@ -182,7 +184,7 @@ class ExecutorServer:
     def _drain_socket(self) -> int:
         taken = 0
         sock = self._sock
-        while taken < MAX_DRAIN and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while taken < MAX_DRAIN and sock.getsockopt(_EVENTS) & _POLLIN:
             frames = sock.recv_multipart(copy=False)
             taken += 1
             self._handle(frames)
@@ -265,6 +267,7 @@ class ExecutorServer:
             last_seen=now,
         )
         self.sessions[key] = session
+        self._update_spin()
         log.info("client %s connected (pid %d on %s)", session.label, session.pid, session.host)
         extra = {"max_call_bytes": self.config.max_call_bytes, "shm": self.config.allow_shm}
         self._send(key, pack(Kind.WELCOME, header[1], self._welcome, extra))
@@ -354,9 +357,9 @@ class ExecutorServer:
         return tuple(extra)
 
     def _check_call(self, op: int, layer: int, rows: int, dtype) -> Op:
-        if op not in (Op.FORWARD, Op.BACKWARD):
-            raise Refused(Code.BAD_CALL, f"unknown op {op}: 1 is forward, 2 is backward")
-        op = Op(op)
+        op = _OPS.get(op)
+        if op is None:
+            raise Refused(Code.BAD_CALL, "unknown op: 1 is forward, 2 is backward")
         if not 0 <= layer < len(self.widths):
             raise Refused(
                 Code.BAD_CALL,
@@ -414,28 +417,39 @@ class ExecutorServer:
             self._send_error(session.key, seq, err.code, str(err))
             return
         x = segment.input(self.manifest.dtype, rows, in_w)  # [rows, in_w], no copy
-        call = Call(session, seq, op, layer, x, time.monotonic(), via_shm=True, extra=extra)
-        self.scheduler.submit(call)
+        now = time.monotonic()
+        call = Call(session, seq, op, layer, x, now, via_shm=True, extra=extra)
+        if len(self.sessions) == 1 and not self.scheduler:
+            session.waiting = True
+            self._run([call], now)  # alone: nothing to batch with, skip the queues
+        else:
+            self.scheduler.submit(call)
 
     # -- running a batch ----------------------------------------------------------
 
     def _run(self, calls: list[Call], now: float) -> None:
         """Run one layer for `calls`: one matmul per direction over all their tokens."""
-        layer = calls[0].layer
-        waited = sum(now - c.arrived for c in calls)
+        first = calls[0]
         started = time.monotonic()
-        tokens = 0
-        for op in (Op.FORWARD, Op.BACKWARD):
-            group = [c for c in calls if c.op is op]
-            if group:
-                tokens += self._run_group(op, layer, group)
-        self.stats.record(layer, len(calls), tokens, waited, time.monotonic() - started)
+        if len(calls) == 1:
+            tokens = self._run_group(first.op, first.layer, calls)
+        else:
+            tokens = 0
+            for op in (Op.FORWARD, Op.BACKWARD):
+                group = [c for c in calls if c.op is op]
+                if group:
+                    tokens += self._run_group(op, first.layer, group)
+        waited = sum(started - c.arrived for c in calls)
+        self.stats.record(first.layer, len(calls), tokens, waited, started)
 
     def _run_group(self, op: Op, layer: int, calls: list[Call]) -> int:
         """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
         outs = self._batched(op, layer, calls)
         if outs is None:
             return 0
+        if len(calls) == 1 and not calls[0].extra:
+            self._reply(calls[0], outs)
+            return calls[0].tokens
         answers = {id(c): [y] for c, y in zip(calls, outs, strict=True)}
         for other in sorted({e for c in calls for e in c.extra}):
             group = [c for c in calls if other in c.extra]
@@ -453,7 +467,10 @@ class ExecutorServer:
         """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]."""
         x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
         try:
-            y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
+            if self._on_cpu:
+                y = self.executor.run(op, layer, x)
+            else:
+                y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
         except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
             log.exception("layer %d %s failed", layer, op.name.lower())
             for call in calls:
@@ -512,13 +529,13 @@ class ExecutorServer:
         if session.segment is not None:
             session.segment.close()
             session.segment = None
-            self._update_spin()
+        self._update_spin()
 
     def _update_spin(self) -> None:
-        """Spin only while the executor and each shared-memory client can have a core."""
-        sessions = self._shm_sessions()
-        self._spin_ok = self._spin_s > 0 and len(sessions) + 1 <= self._cores
-        for s in sessions:
+        """Spin only while the executor and each client can have a core (same host or not:
+        a remote client's calls still find the loop awake)."""
+        self._spin_ok = self._spin_s > 0 and len(self.sessions) + 1 <= self._cores
+        for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
 
 

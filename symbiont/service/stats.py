@@ -37,23 +37,26 @@ class Stats:
         self.names = names
         self.layers: dict[int, LayerStats] = {}
         self.started = time.monotonic()
-        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent batches
+        self.tokens = 0
+        # (time, tokens served so far), one sample a second over the last WINDOW_S
+        self.recent: deque[tuple[float, int]] = deque([(self.started, 0)], maxlen=int(WINDOW_S) + 1)
         self.refused = 0
         self.errors = 0
 
-    def record(self, layer: int, calls: int, tokens: int, waited_s: float, compute_s: float):
+    def record(self, layer: int, calls: int, tokens: int, waited_s: float, started: float):
+        """One batch of `calls` on `layer`, begun at monotonic time `started`."""
         entry = self.layers.get(layer)
         if entry is None:
             entry = self.layers[layer] = LayerStats()
+        now = time.monotonic()
         entry.batches += 1
         entry.calls += calls
         entry.tokens += tokens
         entry.queue_wait_s += waited_s
-        entry.compute_s += compute_s
-        now = time.monotonic()
-        self.recent.append((now, tokens))
-        while self.recent and self.recent[0][0] < now - WINDOW_S:
-            self.recent.popleft()
+        entry.compute_s += now - started
+        self.tokens += tokens
+        if now - self.recent[-1][0] >= 1.0:  # a (time, tokens so far) sample per second
+            self.recent.append((now, self.tokens))
 
     def snapshot(self, sessions: list[dict], policy: dict) -> dict:
         now = time.monotonic()
@@ -61,12 +64,12 @@ class Stats:
         for entry in self.layers.values():
             for name in ("batches", "calls", "tokens", "queue_wait_s", "compute_s"):
                 setattr(total, name, getattr(total, name) + getattr(entry, name))
-        span = min(WINDOW_S, now - self.started) or 1.0
+        since, then = self.recent[0]
         return {
             "uptime_s": now - self.started,
             "policy": policy,
             "clients": sessions,
-            "tokens_per_s": sum(t for when, t in self.recent if when >= now - span) / span,
+            "tokens_per_s": (self.tokens - then) / max(now - since, 1e-9),
             "refused": self.refused,
             "errors": self.errors,
             "total": total.to_dict(),

@@ -352,7 +352,6 @@ class RemoteExecutor(Executor):
         while ctrl[shm.RESP_SEQ] != seq:
             if time.perf_counter() > spin_until:
                 break
-            os.sched_yield()  # on a busy host, let the executor have this core
         else:
             return None
         ctrl[shm.CLIENT_ASLEEP] = 1
