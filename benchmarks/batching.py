@@ -6,7 +6,7 @@ clients, started together. Printed side by side: throughput (generated tokens/s 
 the whole run), mean request latency, and mean batch size (client calls per base-layer
 run, from the server's statistics), with ratios against no-lockstep.
 
-    python benchmarks/batching.py [--clients 1,2,4,8,16,32] [--new-tokens 16]
+    python benchmarks/batching.py [--clients 1,2,4,8,16,32] [--new-tokens 8]
 """
 
 from __future__ import annotations
@@ -106,12 +106,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,2,4,8,16,32", help="batch size of each client")
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=2, help="generate() calls per client")
-    parser.add_argument("--max-wait-ms", type=float, default=20.0)
-    parser.add_argument("--wait-per-token-us", type=float, default=200.0)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=1, help="generate() calls per client")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--wait-per-token-us", type=float, default=100.0)
     parser.add_argument("--server-threads", type=int, default=2)
     parser.add_argument("--spin-us", type=float, default=200.0, help="client spin window")
     parser.add_argument("--model", type=Path, help="checkpoint (default: built in a temp dir)")
