@@ -45,6 +45,7 @@ class VirtLayer:
     def _link(self, executor: Executor, spec: LayerSpec, dtype: torch.dtype, device) -> None:
         self.executor = executor
         self.spec = spec
+        self.wire_dtype = executor.manifest.dtype
         self.register_parameter("weight", _zero_storage(self._weight_shape(), dtype, device))
         bias = _zero_storage((spec.out_features,), dtype, device) if spec.has_bias else None
         self.register_parameter("bias", bias)
@@ -63,8 +64,9 @@ class VirtLayer:
     def call_executor(self, op: Op, x: torch.Tensor) -> torch.Tensor:
         """One executor call in the executor's dtype; the result comes back in x's dtype.
         x [n_tokens, width_in] -> [n_tokens, width_out]"""
-        wire_dtype = self.executor.manifest.dtype
-        return self.executor.call(op, self.spec.id, x.to(wire_dtype)).to(x.dtype)
+        if x.dtype == self.wire_dtype:  # the common case: skip two no-op casts per call
+            return self.executor.call(op, self.spec.id, x)
+        return self.executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
 
     def _apply(self, fn, recurse=True):
         # Module.to()/cuda()/half() would materialise the expanded weight; move the

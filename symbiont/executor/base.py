@@ -63,10 +63,10 @@ class BaseExecutor(Executor):
 
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         check_call(self._manifest, op, layer, x)
-        source_device = x.device
         with torch.no_grad():
-            out = self.run(op, layer, x.to(self.device))
-        return out.to(source_device)
+            if x.device == self.device:
+                return self.run(op, layer, x)
+            return self.run(op, layer, x.to(self.device)).to(x.device)
 
     def run(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The math of one (already validated) call on this executor's device."""
