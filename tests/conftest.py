@@ -30,9 +30,6 @@ def _in_process(path):
 # serve-base processes started by the remote transports, one per checkpoint, stopped at
 # the end of the session (and by themselves if pytest dies: they watch its pid).
 _SERVERS: dict = {}
-# The remote transports run the exactness matrix on these architectures only (Linear and
-# Conv1D projections, GQA), to keep CI fast; tests/test_service_*.py cover the rest.
-REMOTE_ARCHS = ("llama", "gpt2")
 
 
 def _server(path):
@@ -45,8 +42,6 @@ def _server(path):
 
 def _remote(scheme, mode):
     def open_remote(path):
-        if not any(path.name.startswith(arch) for arch in REMOTE_ARCHS):
-            pytest.skip(f"remote transports run the matrix on {REMOTE_ARCHS} only (CI time)")
         return symbiont.connect(_server(path).url(scheme), mode=mode, checkpoint=path)
 
     return open_remote

@@ -231,7 +231,8 @@ def run(args) -> int:
     import torch
 
     from symbiont.train import load_examples, pad_id, train
-    from symbiont.train.session import open_client, open_executor, set_threads
+    from symbiont.train.session import open_client, set_threads
+    from symbiont.transport import open_executor
 
     set_threads(args.threads)
     config = train_config(args)

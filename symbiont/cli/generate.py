@@ -115,7 +115,8 @@ def load_adapter(model, adapter: str):
 
 def run(args) -> int:
     from symbiont.generation import chat_prompt, generate
-    from symbiont.train.session import open_client, open_executor, set_threads
+    from symbiont.train.session import open_client, set_threads
+    from symbiont.transport import open_executor
 
     set_threads(args.threads)
     settings = settings_from(args)

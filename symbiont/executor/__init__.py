@@ -1,6 +1,12 @@
 """The base executor side: frozen linear weights served to clients."""
 
 from symbiont.executor.base import BaseExecutor
-from symbiont.executor.interface import Executor, ExecutorError, Manifest, Op
+from symbiont.executor.interface import (
+    Executor,
+    ExecutorError,
+    ExecutorUnavailable,
+    Manifest,
+    Op,
+)
 
-__all__ = ["BaseExecutor", "Executor", "ExecutorError", "Manifest", "Op"]
+__all__ = ["BaseExecutor", "Executor", "ExecutorError", "ExecutorUnavailable", "Manifest", "Op"]

@@ -15,6 +15,7 @@ from symbiont.serve.api import ServerState, build_app
 from symbiont.serve.async_engine import AsyncEngine
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.engine import Engine
+from symbiont.transport import open_executor
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class ServerConfig:
 
 def load_engine(config: ServerConfig, state: ServerState) -> AsyncEngine:
     """Build the engine and its adapters, then make the state ready."""
-    executor = _connect(config.executor) if config.executor else None
+    executor = open_executor(config.model, config.executor) if config.executor else None
     engine = Engine.from_pretrained(
         config.model,
         executor=executor,
@@ -62,18 +63,6 @@ def load_engine(config: ServerConfig, state: ServerState) -> AsyncEngine:
     state.metrics.attach(engine)
     state.engine = AsyncEngine(engine).start()
     return state.engine
-
-
-def _connect(url: str):
-    import symbiont
-
-    connect = getattr(symbiont, "connect", None)
-    if connect is None:
-        raise ValueError(
-            f"--executor {url}: this symbiont has no remote transport (symbiont.connect); "
-            "omit --executor to run the base layers in-process"
-        )
-    return connect(url)
 
 
 class BackgroundServer:

@@ -3,26 +3,10 @@ model over it, and the checkpoint's tokenizer. Shared by `finetune`, `generate` 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import symbiont
 from symbiont.executor import Executor
-
-
-def open_executor(model_dir: str | os.PathLike, url: str | None, *, dtype=None) -> Executor:
-    """`symbiont.connect(url)` for a remote base (`symbiont serve-base`), else an
-    in-process BaseExecutor loaded from `model_dir`."""
-    if url is None:
-        return symbiont.BaseExecutor.from_pretrained(model_dir, dtype=dtype)
-    connect = getattr(symbiont, "connect", None)
-    if connect is None:
-        raise RuntimeError(
-            f"--executor {url}: this symbiont build has no remote transport (symbiont.connect); "
-            "leave out --executor to run the base in this process"
-        )
-    return connect(url)
 
 
 def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None):

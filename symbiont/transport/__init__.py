@@ -4,6 +4,6 @@
 as raw ZeroMQ frames (TCP or IPC) or, on the same host, through shared memory.
 """
 
-from symbiont.transport.client import ClientConfig, Mode, RemoteExecutor, connect
+from symbiont.transport.client import ClientConfig, Mode, RemoteExecutor, connect, open_executor
 
-__all__ = ["ClientConfig", "Mode", "RemoteExecutor", "connect"]
+__all__ = ["ClientConfig", "Mode", "RemoteExecutor", "connect", "open_executor"]

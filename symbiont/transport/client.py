@@ -99,6 +99,16 @@ def connect(url: str, *, checkpoint=None, **options) -> RemoteExecutor:
     return RemoteExecutor(url, ClientConfig(**options))
 
 
+def open_executor(model_dir, url: str | None = None, *, dtype=None) -> Executor:
+    """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
+    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None."""
+    if url is None:
+        from symbiont.executor.base import BaseExecutor
+
+        return BaseExecutor.from_pretrained(model_dir, dtype=dtype)
+    return connect(url, checkpoint=model_dir)
+
+
 class _Lost(Exception):
     """No answer in time: re-make the connection and resend."""
 
