@@ -131,3 +131,64 @@ def test_exposed_endpoint_needs_a_token():
     ServiceConfig(bind=("tcp://127.0.0.1:7100", "tcp://[::1]:7101", "ipc:///tmp/x"))
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         ServiceConfig(bind=("http://127.0.0.1:80",))
+
+
+F = Op.FORWARD
+PASS = [(F, 0), (F, 3), (F, 4), (F, 6), (F, 7), (F, 10), (F, 11), (F, 13), (F, 0)]
+
+
+def learned(session, at, gap, last_reply):
+    """Give `session` a learned pace and call sequence (PASS, a decode step of a 2-layer
+    llama with fused q/k/v and gate/up), its last call `PASS[at]` answered at `last_reply`."""
+    session.gap_s = gap
+    session.next_of = dict(zip(PASS, PASS[1:], strict=False))
+    session.last_op, session.last_layer = PASS[at]
+    session.last_reply = last_reply
+
+
+def test_released_as_soon_as_every_active_client_is_queued():
+    sched, (a, b, c) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-2)
+    for s in (a, b, c):
+        learned(s, 2, gap=0.002, last_reply=0.0)  # all just answered at layer 4
+    sched.submit(call(a, 6, 4, at=0.001))
+    sched.submit(call(b, 6, 4, at=0.002))
+    assert sched.pop_ready(0.002) is None, "c is due at layer 6 within the wait"
+    sched.submit(call(c, 6, 4, at=0.0025))
+    batch = sched.pop_ready(0.0025)
+    assert batch is not None and {x.session for x in batch} == {a, b, c}, "nobody left to wait for"
+
+
+def test_holds_for_a_client_one_call_behind_and_learns_its_pace():
+    sched, (a, b, _) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-2)
+    learned(a, 3, gap=0.002, last_reply=0.0)
+    learned(b, 2, gap=0.002, last_reply=0.0)  # b's next call is layer 6, a's layer 7
+    sched.submit(call(a, 7, 4, at=0.002))
+    assert sched.pop_ready(0.002) is None, "b is two calls behind, due within a's wait"
+    sched.submit(call(b, 6, 4, at=0.003))
+    assert b.gap_s == pytest.approx(0.002 + 0.25 * (0.003 - 0.002)), "pace is a moving average"
+    assert b.next_of[(F, 4)] == (F, 6)
+    batch = sched.pop_ready(0.003)
+    assert [x.session for x in batch] == [b], "the client behind catches up first"
+
+
+def test_a_lone_small_call_never_waits_longer_than_its_bound():
+    sched, (a, b, _) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-4)
+    learned(b, 2, gap=0.00005, last_reply=0.0)  # b is coming to layer 6, soon
+    sched.submit(call(a, 6, 1, at=0.0))  # decode call: may wait 0.1 ms
+    assert sched.pop_ready(0.00005) is None
+    assert sched.next_wake(0.00005) <= 0.0001
+    assert [x.session for x in sched.pop_ready(0.0001)] == [a], "its bound is over: it runs"
+
+
+def test_an_idle_client_does_not_hold_others():
+    sched, (a, b, _) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-2)
+    learned(b, 2, gap=0.002, last_reply=0.0)  # would call layer 6 next...
+    sched.submit(call(a, 6, 4, at=0.010))  # ...but has been silent for 5 paces
+    assert [x.session for x in sched.pop_ready(0.010)] == [a]
+
+
+def test_a_client_not_due_before_the_deadline_holds_nobody():
+    sched, (a, b, _) = scheduler(max_wait_s=0.05, wait_per_token_s=1e-4)
+    learned(b, 1, gap=0.003, last_reply=0.0)  # layer 6 is 2 calls ahead: ~6 ms
+    sched.submit(call(a, 6, 10, at=0.0))  # may wait 1 ms: b will not make it
+    assert [x.session for x in sched.pop_ready(0.0)] == [a]

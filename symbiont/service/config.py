@@ -21,8 +21,9 @@ class BatchingPolicy:
     Opportunistic: a call of n tokens is willing to wait `min(max_wait_s, n *
     wait_per_token_s)` for other clients' calls of the same layer to join it; a queue
     runs when its most impatient call's wait is over, when it holds `max_batch_tokens`,
-    or at once when no other client is expected to add work (every client active in the
-    last `max_wait_s` is already waiting). So a one-token decode call waits microseconds,
+    or at once when no other client is expected to add work before then (arrival-aware:
+    the scheduler learns each client's call sequence and pace, see `Scheduler`; with
+    every active client queued, the queue runs). So a one-token decode call waits microseconds,
     a fine-tuning call of thousands of tokens waits up to `max_wait_s`, and no call waits
     longer than `max_wait_s` for batching.
     """

@@ -16,6 +16,11 @@ import torch
 from symbiont.executor.interface import Op
 from symbiont.service.config import BatchingPolicy, PolicyKind
 
+GAP_EMA = 0.25  # weight of the newest sample in a client's pace
+GAP_SAMPLE_CAP_S = 0.1  # a pause between requests is not the client's pace
+LATE_SLACK_S = 1e-3  # a client later than twice its pace plus this is not waited for
+MAX_HOPS = 8  # how many calls ahead a client's arrival is predicted
+
 
 @dataclass(eq=False)
 class Session:
@@ -36,6 +41,11 @@ class Session:
     last_op: Op = Op.FORWARD
     calls: int = 0
     tokens: int = 0
+    # Learned by the scheduler, for arrival-aware batching: how long the client computes
+    # between an answer and its next call (moving average), and which call follows which
+    # ((op, layer) -> (op, layer)); a client repeats the same sequence every model pass.
+    gap_s: float | None = None
+    next_of: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -73,9 +83,15 @@ class Scheduler:
         return len(self.fifo)
 
     def submit(self, call: Call) -> None:
-        call.session.waiting = True
-        call.session.last_layer = call.layer
-        call.session.last_op = call.op
+        session = call.session
+        if session.last_reply > float("-inf"):  # learn its pace and its call sequence
+            gap = min(max(call.arrived - session.last_reply, 0.0), GAP_SAMPLE_CAP_S)
+            old = session.gap_s
+            session.gap_s = gap if old is None else old + GAP_EMA * (gap - old)
+            session.next_of[(session.last_op, session.last_layer)] = (call.op, call.layer)
+        session.waiting = True
+        session.last_layer = call.layer
+        session.last_op = call.op
         self.fifo.append(call)
         queue = self.queues.setdefault(call.layer, [])
         queue.append(call)
@@ -114,9 +130,9 @@ class Scheduler:
 
     def _opportunistic(self, now: float) -> int | None:
         """A call that waited `max_wait_s` runs first. Otherwise, of the queues that are due
-        (their most impatient call waited enough, they are full, or no other client could
-        still join them), the one earliest in the model pass runs: clients behind catch up
-        with those ahead, which wait for them, and their calls merge into one batch."""
+        (a call's own wait is over, they are full, or no client worth waiting for is on its
+        way), the one earliest in the model pass runs: clients behind catch up with those
+        ahead, which wait for them, and their calls merge into one batch."""
         oldest = self.fifo[0]
         if now - oldest.arrived >= self.policy.max_wait_s:
             return oldest.layer
@@ -136,19 +152,54 @@ class Scheduler:
         return 2 * self.n_layers - 1 - layer
 
     def _could_join(self, layer: int, queue: list[Call], now: float) -> bool:
-        """Is a client not in `queue` on its way to `layer`? Clients call layers in model
-        order (ids ascending forward, descending backward), so one that last called a
-        layer up to half a model pass before `layer` and was active within `max_wait_s`
-        may still arrive; one past it will not until its next pass."""
+        """Is a client not in `queue` expected at `layer` before the queue must run anyway?
+        Arrival-aware: a client's next calls are predicted from the sequence it called
+        in earlier passes, and when each comes from its pace (its compute between an
+        answer and its next call); a client that is idle, overdue by more than its pace,
+        or not due here before the queue's deadline holds nobody. With every active
+        client queued here, the queue runs at once (lockstep's batch, without its wait)."""
         inside = {c.session for c in queue}
-        horizon = max(1, self.n_layers // 2)
+        deadline = self.deadline[layer]
         for s in self.sessions.values():
-            if s in inside or (not s.waiting and now - s.last_reply >= self.policy.max_wait_s):
-                continue
-            ahead = (layer - s.last_layer) if s.last_op is Op.FORWARD else (s.last_layer - layer)
-            if 0 < ahead % self.n_layers <= horizon:
-                return True
+            if s not in inside:
+                eta = self._eta(s, layer, now)
+                if eta is not None and eta <= deadline:
+                    return True
         return False
+
+    def _eta(self, s: Session, layer: int, now: float) -> float | None:
+        """When `s` is expected to call `layer` (None: not soon)."""
+        if s.gap_s is None or not s.next_of:
+            return self._eta_unlearned(s, layer, now)
+        if s.waiting:
+            # Queued elsewhere: its call runs first, then it computes and calls again. Not
+            # waited for if that queue comes later in the pass (it would wait for us too).
+            mine = s.last_layer if s.last_op is Op.FORWARD else 2 * self.n_layers - 1 - s.last_layer
+            if mine >= self._position(layer):
+                return None
+            base = now
+        else:
+            late = now - s.last_reply - s.gap_s
+            if late > s.gap_s + LATE_SLACK_S:
+                return None  # idle, between requests, or stalled: do not wait for it
+            base = s.last_reply
+        step = (s.last_op, s.last_layer)
+        for hops in range(1, MAX_HOPS + 1):
+            step = s.next_of.get(step)
+            if step is None:
+                return None
+            if step[1] == layer:
+                return max(base + hops * s.gap_s, now)
+        return None
+
+    def _eta_unlearned(self, s: Session, layer: int, now: float) -> float | None:
+        """Before a client's pace is known: clients call layers in model order (ids
+        ascending forward, descending backward), so one that last called a layer up to
+        half a model pass before `layer` and was active within `max_wait_s` may arrive."""
+        if not s.waiting and now - s.last_reply >= self.policy.max_wait_s:
+            return None
+        ahead = (layer - s.last_layer) if s.last_op is Op.FORWARD else (s.last_layer - layer)
+        return now if 0 < ahead % self.n_layers <= max(1, self.n_layers // 2) else None
 
     def _lockstep(self, now: float) -> int | None:
         oldest = self.fifo[0]
