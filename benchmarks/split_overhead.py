@@ -55,9 +55,25 @@ def generate_loop(model, prompt, new_tokens: int) -> float:
     model.eval()
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return time.perf_counter() - start
+
+
+def per_call_us(module, x, calls: int = 5000) -> float:
+    """Mean microseconds of one no-grad call of `module` on `x`."""
+    with torch.no_grad():
+        for _ in range(200):
+            module(x)
+        start = time.perf_counter()
+        for _ in range(calls):
+            module(x)
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:
@@ -82,6 +98,11 @@ def main() -> None:
         batch = {"input_ids": ids, "labels": ids}
         prompt = ids[:1, :16]
 
+        one_token = torch.randn(1, 1, args.hidden)
+        q_vanilla = vanilla.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        q_split = split.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        per_call = ([], [])
+
         results = {"train": ([], []), "generate": ([], [])}
         for model in (vanilla, split):  # warm-up: allocator, thread pool, caches
             train_loop(model, batch, 1)
@@ -90,14 +111,23 @@ def main() -> None:
             for index, model in enumerate((vanilla, split)):
                 results["train"][index].append(train_loop(model, batch, args.steps))
                 results["generate"][index].append(generate_loop(model, prompt, args.new_tokens))
+            per_call[0].append(per_call_us(q_vanilla, one_token))
+            per_call[1].append(per_call_us(q_split, one_token))
 
-    print(f"model: llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, LoRA r=16 "
-          f"all-linear; train batch {args.batch}x{args.seq}, generate {args.new_tokens} tokens; "
-          f"median of {args.rounds} interleaved rounds")
+    print(
+        f"model: llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, LoRA r=16 "
+        f"all-linear; train batch {args.batch}x{args.seq}, generate {args.new_tokens} tokens; "
+        f"median of {args.rounds} interleaved rounds"
+    )
     print(f"{'loop':<10}{'vanilla s':>12}{'symbiont s':>12}{'ratio':>8}")
     for loop, (v, s) in results.items():
         ratio = statistics.median(b / a for a, b in zip(v, s, strict=True))
         print(f"{loop:<10}{statistics.median(v):>12.3f}{statistics.median(s):>12.3f}{ratio:>8.3f}")
+    plain, virt = (statistics.median(times) for times in per_call)
+    print(
+        f"one-token q_proj call: nn.Linear {plain:.1f} us, VirtLayer {virt:.1f} us "
+        f"(+{virt - plain:.1f} us per base-layer call)"
+    )
 
 
 if __name__ == "__main__":
