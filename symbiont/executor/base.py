@@ -63,10 +63,15 @@ class BaseExecutor(Executor):
 
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         check_call(self._manifest, op, layer, x)
-        with torch.no_grad():
-            if x.device == self.device:
-                return self.run(op, layer, x)
-            return self.run(op, layer, x.to(self.device)).to(x.device)
+        if torch.is_grad_enabled():  # entering no_grad costs more than the check
+            with torch.no_grad():
+                return self._run_on_device(op, layer, x)
+        return self._run_on_device(op, layer, x)
+
+    def _run_on_device(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if x.device == self.device:
+            return self.run(op, layer, x)
+        return self.run(op, layer, x.to(self.device)).to(x.device)
 
     def run(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The math of one (already validated) call on this executor's device."""
