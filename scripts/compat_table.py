@@ -1,7 +1,7 @@
 """Render the (architecture x PEFT method) support table from the exactness tests' results.
 
-    python -m pytest tests/test_exactness.py -k inprocess --junitxml=/tmp/exact.xml
-    python scripts/compat_table.py /tmp/exact.xml
+python -m pytest tests/test_exactness.py -k inprocess --junitxml=/tmp/exact.xml
+python scripts/compat_table.py /tmp/exact.xml
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import re
 import sys
 import xml.etree.ElementTree as ET
 
-CASE = re.compile(r"test_split_equals_vanilla\[(?P<transport>[^-]+)-(?P<arch>.+)-(?P<method>[^-]+)\]")
+CASE = re.compile(
+    r"test_split_equals_vanilla\[(?P<transport>[^-]+)-(?P<arch>.+)-(?P<method>[^-]+)\]"
+)
 
 
 def outcomes(xml_path: str) -> dict[tuple[str, str], str]:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiont
-from symbiont.generation import GenerationSettings, TextStream, held_back, generate
+from symbiont.generation import GenerationSettings, TextStream, generate, held_back
 from symbiont.train.session import load_tokenizer
 
 PROMPT = "Q: What is 20 plus 19?\nA:"
