@@ -199,3 +199,17 @@ def test_client_of_another_checkpoint_is_refused(checkpoints, tmp_path):
     executor = symbiont.BaseExecutor.from_pretrained(checkpoints("llama"))
     with pytest.raises(symbiont.ExecutorError, match="is not the base this executor serves"):
         symbiont.load_client(other, executor)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied and tied output embeddings
+def test_local_lm_head_keeps_the_output_projection_on_the_client(arch, checkpoints):
+    path = checkpoints(arch)
+    client = symbiont.load_client(
+        path, symbiont.BaseExecutor.from_pretrained(path), local_lm_head=True
+    )
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    head = client.get_output_embeddings()
+    assert type(head) is nn.Linear and not isinstance(head.weight, RemoteWeight)
+    assert torch.equal(head.weight, reference.get_output_embeddings().weight)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(client(ids).logits, reference(ids).logits)

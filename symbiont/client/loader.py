@@ -26,12 +26,18 @@ def load_client(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    local_lm_head: bool = False,
 ) -> PreTrainedModel:
     """The checkpoint's causal LM with every nn.Linear/Conv1D served by `executor`.
 
     Only the remaining tensors (embeddings, norms, ...) are read from the checkpoint;
     the base linear weights are never materialised here. `dtype` defaults to the
     executor's; the client may run in another and activations are cast on each call.
+
+    local_lm_head: keep the output projection on the client as a plain module, for
+    trainers that read `lm_head.weight` directly (TRL's SFTTrainer computes its loss
+    with a fused, chunked LM head). Free when the head is tied to the input
+    embeddings, which the client holds anyway; otherwise it costs vocab x hidden.
     """
     checkpoint = Checkpoint.open(path)
     manifest = executor.manifest
@@ -39,7 +45,8 @@ def load_client(
     dtype = resolve_dtype(checkpoint, dtype or manifest.dtype)
     device = torch.device(device)
     model = build_skeleton(checkpoint.config, dtype)
-    _replace_base_layers(model, executor, dtype, device)
+    keep = {model.get_output_embeddings()} if local_lm_head else set()
+    _replace_base_layers(model, executor, dtype, device, keep=keep)
     _load_client_tensors(model, checkpoint, dtype, device)
     _materialise_computed_buffers(model, device)
     _attach_generation_config(model, checkpoint)
@@ -61,10 +68,12 @@ def _check_same_base(checkpoint: Checkpoint, manifest) -> None:
         )
 
 
-def _replace_base_layers(model, executor: Executor, dtype, device) -> None:
+def _replace_base_layers(model, executor: Executor, dtype, device, keep) -> None:
     manifest = executor.manifest
     ids = manifest.layer_ids()
     for name, module in find_base_layers(model):
+        if module in keep:
+            continue
         local = spec_of(ids.get(name, -1), name, module)
         if name not in ids or manifest.layers[ids[name]] != local:
             raise ExecutorError(

@@ -119,7 +119,20 @@ _WEIGHT_READERS = {
     "peft.tuners.lora.corda": "CorDA initialisation (init_lora_weights='corda')",
     "peft.tuners.lora.eva": "EVA initialisation (init_lora_weights='eva')",
     "peft.utils.loftq_utils": "LoftQ initialisation (init_lora_weights='loftq')",
+    "trl.kernels.chunked_logprob": "TRL's fused LM head (the SFTTrainer loss)",
 }
+# What to do instead, where it is not "use another PEFT method".
+_WEIGHT_READER_ADVICE = {
+    "TRL's fused LM head (the SFTTrainer loss)": (
+        "Load the client with load_client(..., local_lm_head=True) to keep the output "
+        "projection on the client (free when it is tied to the input embeddings)."
+    ),
+}
+_PEFT_ADVICE = (
+    "Use a PEFT method that only adds to the base layer's output or scales its "
+    "input/output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning); "
+    "see docs/compatibility.md"
+)
 _WEIGHT_READER_FUNCTIONS = {
     "pissa_init": "PiSSA initialisation (init_lora_weights='pissa')",
     "olora_init": "OLoRA initialisation (init_lora_weights='olora')",
@@ -188,9 +201,7 @@ def _weight_read_message(op: str) -> str:
     return (
         f"{what} the values of a frozen base weight, but in split execution the base "
         "weights stay on the base executor and the client holds only a placeholder. "
-        "Use a PEFT method that only adds to the base layer's output or scales its "
-        "input/output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning); "
-        "see docs/compatibility.md"
+        + _WEIGHT_READER_ADVICE.get(feature, _PEFT_ADVICE)
     )
 
 
