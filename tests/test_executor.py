@@ -108,3 +108,15 @@ def _base_layer_nodes(root):
         stack.extend(next_node for next_node, _ in node.next_functions)
     assert nodes, "no base-layer autograd nodes found: is the test still exercising VirtLayers?"
     return nodes
+
+
+def test_client_autocast_does_not_change_base_layer_math(checkpoints, connect):
+    """Base layers run in the executor's dtype whatever autocast the client has on, so
+    every transport computes the same thing (docs/compatibility.md, Dtypes)."""
+    executor = connect(checkpoints("llama"))
+    x = torch.randn(4, 32)
+    grad_y = torch.randn(4, executor.manifest.layers[0].out_features)
+    expected = executor.forward(0, x), executor.backward(0, grad_y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = executor.forward(0, x), executor.backward(0, grad_y)
+    assert all(g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected))

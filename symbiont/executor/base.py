@@ -63,6 +63,11 @@ class BaseExecutor(Executor):
 
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         check_call(self._manifest, op, layer, x)
+        if torch.is_autocast_enabled(self.device.type):
+            # A client's autocast must not leak in: base layers run in the executor's
+            # dtype, forward and backward alike, as they do over any remote transport.
+            with torch.autocast(self.device.type, enabled=False), torch.no_grad():
+                return self._run_on_device(op, layer, x)
         if torch.is_grad_enabled():  # entering no_grad costs more than the check
             with torch.no_grad():
                 return self._run_on_device(op, layer, x)
