@@ -119,4 +119,6 @@ def test_client_autocast_does_not_change_base_layer_math(checkpoints, connect):
     expected = executor.forward(0, x), executor.backward(0, grad_y)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = executor.forward(0, x), executor.backward(0, grad_y)
-    assert all(g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected))
+    assert all(
+        g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected, strict=True)
+    )
