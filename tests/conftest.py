@@ -23,6 +23,23 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The embedded default model (real tokenizer, small Llama), built once, unpretrained."""
+    from symbiont.default_model import default_model
+
+    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls are far faster on one thread than two busy ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _in_process(path):
     return BaseExecutor.from_pretrained(path)
 

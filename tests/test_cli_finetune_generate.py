@@ -25,15 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Q: What is 20 plus 19?\nA:"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from symbiont.default_model import default_model
-
-    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
-
-
 @pytest.fixture(autouse=True)
-def one_thread():
+def restore_threads():
+    """The CLI sets its own thread count; give the other tests theirs back."""
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)

@@ -13,20 +13,7 @@ from symbiont.train.session import load_tokenizer
 
 PROMPT = "Q: What is 20 plus 19?\nA:"
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from symbiont.default_model import default_model
-
-    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

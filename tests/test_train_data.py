@@ -19,12 +19,8 @@ from symbiont.train.session import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from symbiont.default_model import default_model
-
-    return load_tokenizer(
-        default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
-    )
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
 
 
 def write_jsonl(path, rows):

@@ -27,21 +27,7 @@ from symbiont.train import (
 from symbiont.train import checkpoints as ckpt
 from symbiont.train.session import load_tokenizer
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from symbiont.default_model import default_model
-
-    return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls are far faster on one thread than two busy ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

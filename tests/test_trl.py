@@ -9,15 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import symbiont
 from symbiont.client.virt import BaseWeightUnavailable
-from symbiont.default_model import default_model
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return default_model(tmp_path_factory.mktemp("trl") / "default-model", pretrain_steps=0)
 
 
 def _sft(model, tokenizer, folder) -> list[float]:
