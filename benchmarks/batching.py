@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -70,6 +71,8 @@ def worker(index: int, job: dict, args, commands, start, results) -> None:
     import peft
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.client_cpus:
+        os.sched_setaffinity(0, args.client_cpus)
     torch.set_num_threads(1)
     targets = (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"])[index % 2]
     lora = peft.LoraConfig(r=(4, 16)[index % 2], target_modules=targets)
@@ -115,9 +118,13 @@ def _seed(index: int) -> torch.Generator:
 
 
 def run_once(policy: str, args, commands, start, results) -> dict:
-    server_args = ["--policy", policy, "--threads", args.server_threads]
+    server_args = ["--policy", policy]
+    if args.server_threads:
+        server_args += ["--threads", args.server_threads]
     server_args += ["--max-wait-ms", args.max_wait_ms]
     server_args += ["--wait-per-token-us", args.wait_per_token_us]
+    if args.executor_cpus:
+        server_args += ["--cpus", ",".join(map(str, sorted(args.executor_cpus)))]
     with ServerProcess(args.model, args=server_args) as server:
         url = server.url("ipc")
         for queue in commands:
@@ -173,11 +180,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="fine-tuning steps per client")
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
     parser.add_argument("--wait-per-token-us", type=float, default=1000.0)
-    parser.add_argument("--server-threads", type=int, default=2)
+    parser.add_argument(
+        "--server-threads", type=int, help="default: one per executor core (all if not pinned)"
+    )
+    parser.add_argument(
+        "--pin",
+        choices=["on", "off"],
+        default="on" if len(os.sched_getaffinity(0)) >= 2 else "off",
+        help="on (default with 2+ cores): the executor gets the first core to itself and the "
+        "clients share the others, as a base on its own GPU serves clients elsewhere; "
+        "off: every process on every core",
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--model", type=Path, help="checkpoint (default: built in a temp dir)")
     args = parser.parse_args()
     args.jobs = [parse_client(spec) for spec in args.clients.split(",")]
+    cores = sorted(os.sched_getaffinity(0))
+    args.executor_cpus = {cores[0]} if args.pin == "on" else None
+    args.client_cpus = set(cores[1:]) if args.pin == "on" else None
     policies = args.policies.split(",")
     if args.model is None:
         args.model = build_checkpoint(Path(tempfile.mkdtemp()) / "base", args.hidden, args.layers)
@@ -185,7 +205,12 @@ def main() -> None:
         f"base: llama hidden {args.hidden}, {args.layers} layers, fp32 on CPU; clients "
         f"{args.clients} (LoRA r=4 q/v and r=16 q/k/v/o alternating); generate: prompt "
         f"{args.prompt}, {args.new_tokens} new tokens x {args.requests} requests; fine-tune: "
-        f"{args.steps} steps; {args.repeats} interleaved runs per policy, medians",
+        f"{args.steps} steps; {args.repeats} interleaved runs per policy, medians; "
+        + (
+            f"executor pinned to core {cores[0]}, clients to cores {cores[1:]}"
+            if args.pin == "on"
+            else "no pinning"
+        ),
         flush=True,
     )
     spawn = multiprocessing.get_context("spawn")

@@ -205,3 +205,32 @@ def test_independent_clients_with_faults_around_them(checkpoints):
     log = server.log_text()
     assert "serving" in log and "stopped" in log, log
     assert not Path(ipc_path).exists(), "the IPC socket file was left behind"
+
+
+def test_serve_base_pinned_to_a_core_keeps_every_thread_there(checkpoints):
+    core = min(os.sched_getaffinity(0))
+    path = checkpoints("llama")
+    with ServerProcess(path, args=["--cpus", str(core)]) as server:
+        base = symbiont.BaseExecutor.from_pretrained(path)
+        with symbiont.connect(server.url("ipc"), mode="zmq") as executor:
+            x = torch.randn(5, 32)
+            assert torch.equal(executor.forward(0, x), base.forward(0, x))
+        tasks = list(Path(f"/proc/{server.proc.pid}/task").iterdir())
+        assert len(tasks) > 1, "serve-base runs ZeroMQ and torch threads beside its loop"
+        for task in tasks:
+            status = (task / "status").read_text()
+            allowed = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+            assert allowed.split()[-1] == str(core), f"thread {task.name}: {allowed}"
+
+
+def test_serve_base_cpus_errors_name_the_usable_cores():
+    import argparse
+
+    from symbiont.cli.serve_base import _cpu_list
+
+    usable = os.sched_getaffinity(0)
+    assert _cpu_list(",".join(map(str, usable))) == usable
+    with pytest.raises(argparse.ArgumentTypeError, match="use core numbers like 0"):
+        _cpu_list("first")
+    with pytest.raises(argparse.ArgumentTypeError, match="lets us use cores"):
+        _cpu_list(str(max(usable) + 1000))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import logging
 import os
@@ -56,7 +58,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-call-mb", type=float, default=1024, help="largest call accepted")
     parser.add_argument("--spin-us", type=float, default=2000.0, help="shared-memory spin window")
     parser.add_argument("--no-shm", action="store_true", help="refuse shared-memory clients")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for the matmuls")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the matmuls (default: one per core in --cpus, else torch's choice)",
+    )
+    parser.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        metavar="LIST",
+        help="run on these cores only, e.g. 0 or 0-3 or 0,2: dedicates them to the base so "
+        "clients on the other cores do not slow it (and it does not slow them)",
+    )
     parser.add_argument(
         "--ready-file", type=Path, help="write {endpoints, pid} as JSON here once listening"
     )
@@ -71,8 +86,12 @@ def run(args) -> int:
     from symbiont.executor.base import BaseExecutor
     from symbiont.service import BatchingPolicy, ExecutorServer, ServiceConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    host_cores = len(os.sched_getaffinity(0))
+    if args.cpus:
+        _pin(args.cpus)
+    threads = args.threads or (len(args.cpus) if args.cpus else None)
+    if threads:
+        torch.set_num_threads(threads)
     config = ServiceConfig(
         bind=tuple(args.bind or ["tcp://127.0.0.1:7100"]),
         token=args.token or None,
@@ -85,6 +104,7 @@ def run(args) -> int:
         max_call_bytes=int(args.max_call_mb * 2**20),
         spin_us=args.spin_us,
         allow_shm=not args.no_shm,
+        host_cores=host_cores,
     )
     executor = BaseExecutor.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     server = ExecutorServer(executor, config)
@@ -111,6 +131,37 @@ def run(args) -> int:
     server.serve_forever()
     log.info("stopped")
     return 0
+
+
+def _pin(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus`; threads started later inherit the mask."""
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(tid, cpus)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6}, checked against the cores this process may use."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use core numbers like 0 or 0-3 or 0,2"
+        ) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine lets us use cores {_ranges(allowed)}; pick among those"
+        )
+    return cpus
+
+
+def _ranges(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def _exit_with(pid: int, server) -> None:

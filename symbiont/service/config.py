@@ -53,6 +53,9 @@ class ServiceConfig:
     ipc:///path). Any endpoint that is not loopback needs `token`, which clients present
     in their handshake. spin_us: how long the loop keeps polling shared memory after
     the last call before it sleeps on the socket (the shared-memory fast path).
+    host_cores: cores that the executor and its same-host clients share, which decides
+    whether spinning pays (default: the cores this process may run on; pass the host's
+    when the executor is pinned to a few of them).
     """
 
     bind: tuple[str, ...] = ("tcp://127.0.0.1:7100",)
@@ -62,6 +65,7 @@ class ServiceConfig:
     session_timeout_s: float = 600.0
     spin_us: float = 2000.0
     allow_shm: bool = True
+    host_cores: int | None = None
 
     def __post_init__(self):
         if not self.bind:

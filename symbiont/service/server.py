@@ -79,7 +79,7 @@ class ExecutorServer:
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
         self._spin_ok = True
         self._on_cpu = executor.device.type == "cpu"
-        self._cores = shm.cores()
+        self._cores = config.host_cores or shm.cores()
         self._welcome = self.manifest.to_dict()
 
     # -- lifecycle --------------------------------------------------------------
