@@ -234,3 +234,63 @@ def test_serve_base_cpus_errors_name_the_usable_cores():
         _cpu_list("first")
     with pytest.raises(argparse.ArgumentTypeError, match="lets us use cores"):
         _cpu_list(str(max(usable) + 1000))
+
+
+def staller_job(path: str, url: str, ready, go_on, results) -> None:
+    """Calls every layer in turn until the test stops it (SIGSTOP) mid-loop; once resumed
+    (SIGCONT, and `go_on` says so) its answers must still be right."""
+    torch.set_num_threads(1)
+    try:
+        base = symbiont.BaseExecutor.from_pretrained(path)
+        layers = base.manifest.layers
+        x = torch.randn(8, max(s.in_features for s in layers))
+        with symbiont.connect(url, mode="shm", label="staller") as executor:
+            calls = 0
+            while go_on.empty():
+                spec = layers[calls % len(layers)]
+                executor.forward(spec.id, x[:, : spec.in_features])
+                calls += 1
+                if calls == 20:
+                    ready.put(os.getpid())
+            ok = all(
+                torch.equal(
+                    executor.forward(s.id, x[:, : s.in_features]),
+                    base.forward(s.id, x[:, : s.in_features]),
+                )
+                for s in layers
+            )
+        results.put({"name": "staller", "ok": ok})
+    except Exception as err:  # noqa: BLE001 - report any failure to the test process
+        ready.put(None)
+        results.put({"name": "staller", "ok": False, "error": repr(err)})
+
+
+@pytest.mark.parametrize("policy", ["opportunistic", "lockstep"])
+def test_a_stalled_client_does_not_hold_the_others(checkpoints, policy):
+    path = checkpoints("llama")
+    spawn = multiprocessing.get_context("spawn")
+    ready, go_on, results = spawn.Queue(), spawn.Queue(), spawn.Queue()
+    with ServerProcess(path, args=("--threads", "1", "--policy", policy)) as server:
+        staller = spawn.Process(
+            target=staller_job, args=(str(path), server.url("ipc"), ready, go_on, results)
+        )
+        staller.start()
+        assert ready.get(timeout=120) is not None, results.get(timeout=5)
+        os.kill(staller.pid, signal.SIGSTOP)  # stalls between (or in) its layer calls
+        try:
+            job = JOBS[1]
+            client = spawn.Process(
+                target=client_job, args=(job, str(path), server.url(job["scheme"]), results)
+            )
+            client.start()
+            outcome = results.get(timeout=180)
+            client.join(30)
+            assert outcome["ok"], f"a client beside a stalled one failed: {outcome}"
+            status = Path(f"/proc/{staller.pid}/status").read_text()
+            assert "stopped" in status, "the staller ran on: the test proves nothing"
+        finally:
+            go_on.put(True)
+            os.kill(staller.pid, signal.SIGCONT)
+        assert results.get(timeout=60) == {"name": "staller", "ok": True}
+        staller.join(30)
+        assert server.proc.poll() is None, server.log_text()
