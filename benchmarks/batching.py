@@ -12,8 +12,14 @@ per base-layer visit, from the server's statistics) and mean queue wait, with ra
 against no-lockstep. The client processes start once (imports dominate start-up) and
 reconnect to a fresh server for each run.
 
+By default (`--pin on`, with 2+ cores) the executor runs on the first core alone
+(`serve-base --cpus`) and the clients share the others: the paper's setting, a base on
+its own GPU serving clients whose own compute (attention, adapter, backward) runs
+elsewhere. `--pin off` lets every process use every core, so executor and clients take
+turns on the same cores.
+
     python benchmarks/batching.py [--clients gen:1,gen:2,gen:4,gen:8,gen:16,ft:2x32]
-                                  [--repeats 5] [--new-tokens 8] [--requests 2]
+                                  [--repeats 5] [--new-tokens 8] [--requests 2] [--pin on|off]
 """
 
 from __future__ import annotations
