@@ -85,8 +85,9 @@ def run(args) -> int:
 
     from symbiont.executor.base import BaseExecutor
     from symbiont.service import BatchingPolicy, ExecutorServer, ServiceConfig
+    from symbiont.transport.shm import cores
 
-    host_cores = len(os.sched_getaffinity(0))
+    host_cores = cores()
     if args.cpus:
         _pin(args.cpus)
     threads = args.threads or (len(args.cpus) if args.cpus else None)
@@ -143,6 +144,8 @@ def _pin(cpus: set[int]) -> None:
 
 def _cpu_list(text: str) -> set[int]:
     """'0-3,6' -> {0, 1, 2, 3, 6}, checked against the cores this process may use."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise argparse.ArgumentTypeError("pinning to cores needs Linux; leave out --cpus")
     cpus: set[int] = set()
     try:
         for part in text.split(","):
