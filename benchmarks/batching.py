@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import symbiont
-from symbiont.service.process import ServerProcess
+from symbiont.processes import ServerProcess
 
 POLICIES = ("no-lockstep", "lockstep", "opportunistic")
 

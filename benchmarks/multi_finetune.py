@@ -1,8 +1,9 @@
 """N concurrent LoRA fine-tuning jobs: N vanilla transformers+peft processes (each with its
 own copy of the model) against one `symbiont serve-base` and N symbiont client processes.
 
-For each N it prints aggregate training tokens/s and total peak resident memory of both
-ways and their ratios, then the largest N each fits in a memory budget.
+For each N it prints aggregate training tokens/s and total peak memory (PSS sampled from
+/proc/PID/smaps_rollup) of both ways and their ratios, then the largest N each fits in a
+memory budget.
 
     python benchmarks/multi_finetune.py --jobs 1,2,4,8 --steps 4
 
@@ -91,7 +92,7 @@ def _load(args):
 class Outcome:
     jobs: int
     tokens_per_s: float  # aggregate over the concurrent window
-    peak_rss: int  # sum of every process's peak resident memory, bytes
+    peak_rss: int  # sum of every process's peak PSS (sampled, shared pages split), bytes
     executor_rss: int  # symbiont only: the serve-base process
     per_job_rss: float  # mean peak of one job process
 
@@ -108,13 +109,17 @@ def build_model(folder: Path) -> Path:
 
 
 def run_one(mode: str, n: int, model_dir: Path, work: Path, args) -> Outcome:
-    from symbiont.train import jobs
+    from symbiont import processes as jobs
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-{n}-", dir=work))
     started, base, url = [], None, None
     try:
         if mode == "symbiont":
-            base, url = jobs.start_base(model_dir, run_dir, threads=args.executor_threads)
+            server = jobs.ServerProcess(
+                model_dir, bind=("tcp://127.0.0.1:*",), workdir=run_dir,
+                threads=args.executor_threads,
+            ).start()  # fmt: skip
+            base, url = server.job, server.url("tcp")
             started.append(base)
         threads = args.worker_threads
         workers = [_spawn_worker(mode, i, model_dir, url, run_dir, threads, args) for i in range(n)]
@@ -127,8 +132,8 @@ def run_one(mode: str, n: int, model_dir: Path, work: Path, args) -> Outcome:
             jobs.stop(job)
     results = [json.loads((run_dir / f"result-{i}.json").read_text()) for i in range(n)]
     window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
-    job_rss = [w.peak_rss for w in workers]
-    executor_rss = base.peak_rss if base else 0
+    job_rss = [w.peak_pss or 0 for w in workers]
+    executor_rss = (base.peak_pss or 0) if base else 0
     return Outcome(
         n,
         sum(r["tokens"] for r in results) / window,
@@ -139,12 +144,10 @@ def run_one(mode: str, n: int, model_dir: Path, work: Path, args) -> Outcome:
 
 
 def _spawn_worker(mode, i, model_dir, url, run_dir, threads, args):
-    import subprocess
-
-    from symbiont.train.jobs import Job
+    from symbiont import processes
 
     argv = [
-        sys.executable, __file__, "worker", "--mode", mode, "--model", str(model_dir),
+        __file__, "worker", "--mode", mode, "--model", str(model_dir),
         "--threads", str(threads), "--steps", str(args.steps), "--batch", str(args.batch),
         "--seq", str(args.seq), "--seed", str(i),
         "--ready", str(run_dir / f"ready-{i}"), "--go", str(run_dir / "go"),
@@ -152,15 +155,12 @@ def _spawn_worker(mode, i, model_dir, url, run_dir, threads, args):
     ]  # fmt: skip
     if url:
         argv += ["--executor", url]
-    log = run_dir / f"worker-{i}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    with open(log, "wb") as handle:
-        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    return Job(f"{mode}-worker-{i}", process, log)
+    name, env = f"{mode}-worker-{i}", {"PYTHONPATH": str(REPO)}
+    return processes.spawn(name, [], run_dir, threads=threads, python=argv, env=env)
 
 
 def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 600) -> None:
-    from symbiont.train import jobs
+    from symbiont import processes as jobs
 
     deadline = time.monotonic() + timeout_s
     while sum((run_dir / f"ready-{i}").exists() for i in range(n)) < n:

@@ -158,7 +158,8 @@ async def replay(url: str, trace: list[TraceItem], models: list[str], name: str)
 
 def run_server(args, model: str, adapters: list[Path], trace, name: str, use_adapters: bool):
     from symbiont.serve import EngineConfig
-    from symbiont.serve.server import BackgroundServer, ServerConfig
+    from symbiont.serve.config import ServerConfig
+    from symbiont.serve.http.server import BackgroundServer
 
     engine = EngineConfig(
         max_running=args.max_running,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import symbiont
-from symbiont.service.process import ServerProcess
+from symbiont.processes import ServerProcess
 
 
 def build_checkpoint(folder: Path, hidden: int) -> Path:

@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """The embedded default model (real tokenizer, small Llama), built once, unpretrained."""
-    from symbiont.default_model import default_model
+    from symbiont.model.default import default_model
 
     return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
 
@@ -50,7 +50,7 @@ _SERVERS: dict = {}
 
 
 def _server(path):
-    from symbiont.service.process import ServerProcess
+    from symbiont.processes import ServerProcess
 
     if path not in _SERVERS:
         _SERVERS[path] = ServerProcess(path, args=("--threads", "1")).start()

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from symbiont.cli import build_parser, main
-from symbiont.default_model import default_dataset
-from symbiont.train.session import load_tokenizer
+from symbiont.model.default import default_dataset
+from symbiont.processes import ServerProcess
+from symbiont.tenant import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Q: What is 20 plus 19?\nA:"
@@ -155,18 +156,8 @@ def test_remote_executor(model_dir, data, tmp_path, capsys):
     symbiont = pytest.importorskip("symbiont")
     if not hasattr(symbiont, "connect"):
         pytest.skip("symbiont.connect (remote transport) is not available")
-    ready = tmp_path / "ready.json"
-    server = _run_cli(
-        ["serve-base", "--model", str(model_dir), "--bind", "tcp://127.0.0.1:*",
-         "--ready-file", str(ready), "--threads", "1"],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.is_file():
-            assert server.poll() is None and time.monotonic() < deadline, "serve-base did not start"
-            time.sleep(0.1)
-        url = json.loads(ready.read_text())["endpoints"][0]
+    with ServerProcess(model_dir, bind=("tcp://127.0.0.1:*",), args=("--threads", "1")) as server:
+        url = server.url("tcp")
         out = tmp_path / "run"
         args = finetune_args(model_dir, data, out, "--max-steps", "2", "--executor", url)
         assert main(args) == 0
@@ -176,10 +167,3 @@ def test_remote_executor(model_dir, data, tmp_path, capsys):
         remote = capsys.readouterr().out
         assert main(gen) == 0
         assert remote == capsys.readouterr().out, "remote and in-process executors disagree"
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

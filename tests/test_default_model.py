@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from symbiont.default_model import (
+from symbiont.model.default import (
     MARKER_FILE,
     MODEL_NAME,
     DefaultModelError,
@@ -34,9 +34,9 @@ from symbiont.default_model import (
     read_build_info,
 )
 
-# `symbiont.default_model` as an attribute is the re-exported function, so fetch the module
+# `symbiont.model.default` as an attribute is the re-exported function, so fetch the module
 # itself from the import system to monkeypatch its internals.
-dm = importlib.import_module("symbiont.default_model")
+dm = importlib.import_module("symbiont.model.default")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST_STEPS = 2  # enough to run the training loop (and its determinism) without the wait
@@ -251,7 +251,7 @@ def test_concurrent_builders_build_once(tmp_path: Path) -> None:
         f"""
         import sys, time
         from pathlib import Path
-        from symbiont.default_model import DefaultModelSpec, default_model, read_build_info
+        from symbiont.model.default import DefaultModelSpec, default_model, read_build_info
         me, other = Path(sys.argv[1]), Path(sys.argv[2])
         me.touch()
         deadline = time.time() + 60
@@ -397,8 +397,10 @@ def test_bundled_corpus_is_plain_english_prose() -> None:
     assert text.count("\n\n") > 100  # paragraphs: the build splits the corpus on blank lines
 
 
-def test_timing_sanity(built: Path) -> None:
-    # The marker records how long the build took; it is what users can check afterwards.
+def test_build_records_its_duration(built: Path) -> None:
+    # The marker records how long the build took, so users can check it afterwards; how
+    # long it takes is measured by benchmarks/default_model_build.py, not asserted here.
     info = read_build_info(built)
-    assert info is not None and 0 < info["build_seconds"] < 120
+    assert info is not None
+    assert isinstance(info["build_seconds"], float) and info["build_seconds"] > 0
     assert info["built_at"] <= time.time()

@@ -8,8 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiont
-from symbiont.generation import GenerationSettings, TextStream, generate, held_back
-from symbiont.train.session import load_tokenizer
+from symbiont.decoding import (
+    SamplingParams,
+    TextTracker,
+    generate,
+    held_back,
+)
+from symbiont.tenant import load_tokenizer
 
 PROMPT = "Q: What is 20 plus 19?\nA:"
 
@@ -23,7 +28,7 @@ def client(model_dir):
 
 
 def greedy(n=16, **kw):
-    return GenerationSettings(max_new_tokens=n, **kw)
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
 def test_greedy_stream_matches_vanilla_generate(model_dir, client):
@@ -72,19 +77,19 @@ class _CharTokenizer:
 
 
 def test_stream_releases_held_text_at_the_end():
-    out = []
-    stream = TextStream(_CharTokenizer(), ("END",), out.append)
-    stream.put(torch.tensor([[1, 2]]))  # the prompt
+    out, ids = [], []
+    tracker = TextTracker(_CharTokenizer(), ("END",))
     for char in "ok EN":
-        stream.put(torch.tensor([ord(char)]))
-    assert "".join(out) == "ok " and not stream.stopped
-    stream.end()
+        ids.append(ord(char))
+        out.append(tracker.update(ids))
+    assert "".join(out) == "ok " and not tracker.stopped
+    out.append(tracker.update(ids, final=True))
     assert "".join(out) == "ok EN", "held-back text that never became a stop string is released"
 
 
 def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(client):
     model, tokenizer = client
-    settings = GenerationSettings(max_new_tokens=12, temperature=1.5, top_p=0.95, top_k=100, seed=7)
+    settings = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, top_k=100, seed=7)
     torch.manual_seed(0)
     before = torch.rand(1)
     torch.manual_seed(0)
@@ -92,19 +97,19 @@ def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(client):
     assert torch.rand(1).equal(before), "seeded generation must not consume the caller's RNG"
     b = generate(model, tokenizer, PROMPT, settings)
     assert a.token_ids == b.token_ids, "same seed must give the same sample"
-    others = {generate(model, tokenizer, PROMPT, GenerationSettings(max_new_tokens=12, temperature=1.5, seed=s)).token_ids for s in range(4)}  # fmt: skip
+    others = {generate(model, tokenizer, PROMPT, SamplingParams(max_tokens=12, temperature=1.5, seed=s)).token_ids for s in range(4)}  # fmt: skip
     assert len(others) > 1, "different seeds should give different samples"
 
 
 def test_kv_offload_output_equals_normal_output(client):
     model, tokenizer = client
     normal = generate(model, tokenizer, PROMPT, greedy(n=20))
-    offloaded = generate(model, tokenizer, PROMPT, greedy(n=20, kv_offload="cpu"))
+    offloaded = generate(model, tokenizer, PROMPT, greedy(n=20), kv_offload="cpu")
     assert offloaded.token_ids == normal.token_ids
 
 
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="top_p"):
-        GenerationSettings(top_p=0)
+        SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="kv_offload"):
-        GenerationSettings(kv_offload="disk")
+        generate(None, None, PROMPT, greedy(), kv_offload="disk")

@@ -20,8 +20,8 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.pytorch_utils import Conv1D
 
 import symbiont
-from symbiont.checkpoint import CheckpointError
 from symbiont.client.virt import BaseWeightUnavailable, RemoteWeight, VirtLayer
+from symbiont.model.checkpoint import CheckpointError
 from tests.tiny_models import ARCHS, VOCAB, build_checkpoint
 
 

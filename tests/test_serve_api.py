@@ -18,7 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from symbiont.serve import EngineConfig
-from symbiont.serve.server import BackgroundServer, ServerConfig, load_engine
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.server import BackgroundServer, load_engine
 from tests.test_serve_common import Reference, add_char_tokenizer, make_adapters
 
 ENGINE = EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256)
@@ -39,7 +40,13 @@ def adapters(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, adapters):
     preloaded = tuple((name, str(adapters[name])) for name in ("lora4", "lora16", "ia3"))
-    config = ServerConfig(model=str(model_dir), adapters=preloaded, port=0, engine=ENGINE)
+    config = ServerConfig(
+        model=str(model_dir),
+        adapters=preloaded,
+        port=0,
+        engine=ENGINE,
+        adapter_dir=str(adapters["lora4"].parent),  # POST /v1/adapters loads from here
+    )
     with BackgroundServer(config) as running:
         yield running
 
@@ -165,9 +172,7 @@ def test_openai_style_errors(client, server):
     assert response.status_code == 404 and "error" in response.json()
 
 
-def test_adapter_management_while_requests_run(
-    server, client, adapters, expected, tmp_path, monkeypatch
-):
+def test_adapter_management_while_requests_run(server, client, adapters, expected, monkeypatch):
     url = f"{server.url}/v1/adapters"
     engine = server.state.engine.engine
     step = engine.step
@@ -200,7 +205,7 @@ def test_adapter_management_while_requests_run(
     assert "lora16" not in {m.id for m in client.models.list().data}
     assert httpx.delete(f"{url}/lora16").status_code == 404
 
-    broken = tmp_path / "broken"
+    broken = adapters["lora4"].parent / "broken"
     shutil.copytree(adapters["lora4"], broken)
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
     response = httpx.post(url, json={"name": "broken", "path": str(broken)})
@@ -214,7 +219,11 @@ def test_disconnected_stream_stops_and_frees_its_memory(server, monkeypatch):
     engine = server.state.engine.engine
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: time.sleep(0.02) or step())  # ~50 tokens/s
-    generated = server.state.metrics.tokens._value.get
+    registry = server.state.metrics.registry
+
+    def generated() -> float:
+        return registry.get_sample_value("symbiont_generated_tokens_total")
+
     before = generated()
     body = {
         "model": "lora4",
@@ -267,9 +276,30 @@ def test_loading_api_key_and_full_queue(model_dir):
         load_engine(config, server.state)
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
+        for route, payload in (("tokenize", {"prompt": "x"}), ("detokenize", {"tokens": [5]})):
+            assert httpx.post(f"{server.url}/{route}", json=payload).status_code == 401, route
         wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
         with pytest.raises(openai.RateLimitError):  # max_queue=0: every request is refused
             right.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+
+
+def test_extreme_sampling_parameters_are_safe_and_bad_ones_named(server, client, expected):
+    """Issue 11 #10, #11, #18: temperature 2 with top_p 1e-300 once put NaN into sampling
+    and killed the engine; top_k was ignored; seed >= 2**64 reset the connection."""
+    greedy = expected("Once", "lora4", 8)
+    for extra in ({"top_p": 1e-300}, {"top_k": 1}):
+        body = {"model": "lora4", "prompt": "Once", "max_tokens": 8, "temperature": 2, **extra}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == greedy, f"{extra} must leave one token"
+    for field, value in (("seed", 2**64), ("top_k", -5)):
+        body = {"model": "lora4", "prompt": "Once", "max_tokens": 2, field: value}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400, f"{field}={value}: {response.text}"
+        assert response.json()["error"]["param"] == field
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    after = client.completions.create(model="lora4", prompt="Once", max_tokens=8, temperature=0)
+    assert after.choices[0].text == greedy, "the engine did not go on after bad requests"

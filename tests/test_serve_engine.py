@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.executor.interface import Executor
+from symbiont.protocol.executor import Executor
 from symbiont.serve import (
     AdapterError,
     AdapterNotFound,
@@ -25,7 +25,7 @@ from symbiont.serve import (
     RequestError,
     SamplingParams,
 )
-from symbiont.serve.adapters import AdapterLayer, LoraWeights, _bucket_rank, adapter_batch
+from symbiont.serve.adapters import AdapterLayer, LoraWeights, adapter_batch, bucket_rank
 from symbiont.serve.context import use_context
 from tests.test_serve_common import (
     Reference,
@@ -111,8 +111,10 @@ def test_logits_within_tolerance_of_vanilla(setup, monkeypatch):
     base, adapters, reference = setup
     engine = engine_for(base, adapters, config=WIDE)
     captured = []
-    forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda b: captured.append(forward(b)) or captured[-1])
+    forward = engine.runner.forward
+    monkeypatch.setattr(
+        engine.runner, "forward", lambda b: captured.append(forward(b)) or captured[-1]
+    )
     batch = prompts(7, seed=11)
     names = assign(7, [None, *adapters], seed=3)
     for i, (p, name) in enumerate(zip(batch, names, strict=True)):
@@ -172,7 +174,7 @@ def test_grouped_lora_equals_per_token_reference(popularity, n_tokens):
     for s in range(1, slots):  # ranks 1..8: five rank buckets
         weights[s] = LoraWeights(torch.randn(s, d_in), torch.randn(d_out, s), 0.5 * s)
         layer.put(s, weights[s], r_max)
-        registry.slot_bucket[s] = _bucket_rank(s, r_max)
+        registry.slot_bucket[s] = bucket_rank(s, r_max)
     token_slots = _popularity(popularity, n_tokens, slots)
     x = torch.randn(n_tokens, d_in)
     ctx = SimpleNamespace(adapters=adapter_batch(token_slots, registry))
@@ -219,7 +221,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(setup):
     assert fresh.sequences[0].output_ids == reference.generate(prompt, "lora16", 10)
     assert (
         engine.adapters.names() == ["lora4"]
-        and len(engine.adapters._free) == SMALL.max_adapters - 1
+        and engine.adapters.num_free_slots == SMALL.max_adapters - 1
     )
 
 

@@ -23,9 +23,9 @@ import torch
 import zmq
 
 import symbiont
-from symbiont.executor.interface import PROTOCOL_VERSION, ExecutorError
-from symbiont.service.process import ServerProcess
-from symbiont.transport.wire import Kind, pack
+from symbiont.processes import ServerProcess
+from symbiont.protocol.executor import PROTOCOL_VERSION, ExecutorError
+from symbiont.protocol.wire import Call, Hello, encode
 
 GENERATE = dict(do_sample=False, pad_token_id=0)
 
@@ -158,9 +158,11 @@ def _abuse_the_port(server: ServerProcess, other_checkpoint: Path) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.url("tcp"))
-    sock.send_multipart([pack(Kind.HELLO, 1, {"protocol": PROTOCOL_VERSION})])
-    sock.send_multipart([pack(Kind.CALL, 2, 1, 0, 3, 32, "float32"), b"\x00" * 17])  # truncated
-    sock.send_multipart([pack(Kind.CALL, 3, 1, 0, 512, 32, "float32"), bytes(512 * 32 * 4)])
+    sock.send_multipart([encode(Hello(call_id=1, protocol=PROTOCOL_VERSION))])
+    truncated = Call(call_id=2, op=1, layer=0, rows=3, cols=32, dtype="float32")
+    sock.send_multipart([encode(truncated), b"\x00" * 17])
+    whole = Call(call_id=3, op=1, layer=0, rows=512, cols=32, dtype="float32")
+    sock.send_multipart([encode(whole), bytes(512 * 32 * 4)])
     sock.close()  # gone before its answer
     with pytest.raises(ExecutorError, match="fingerprint"):
         symbiont.connect(server.url("tcp"), checkpoint=other_checkpoint)
@@ -207,7 +209,9 @@ def test_independent_clients_with_faults_around_them(checkpoints):
     assert not Path(ipc_path).exists(), "the IPC socket file was left behind"
 
 
-def test_serve_base_pinned_to_a_core_keeps_every_thread_there(checkpoints):
+def test_serve_base_pinned_to_a_core_keeps_every_thread_there(checkpoints, one_thread):
+    # Pinned to one core, serve-base runs one torch thread: so does this process's
+    # reference (another thread count may change BLAS's summation order).
     core = min(os.sched_getaffinity(0))
     path = checkpoints("llama")
     with ServerProcess(path, args=["--cpus", str(core)]) as server:
@@ -223,17 +227,19 @@ def test_serve_base_pinned_to_a_core_keeps_every_thread_there(checkpoints):
             assert allowed.split()[-1] == str(core), f"thread {task.name}: {allowed}"
 
 
-def test_serve_base_cpus_errors_name_the_usable_cores():
-    import argparse
-
-    from symbiont.cli.serve_base import _cpu_list
+def test_serve_base_cpus_errors_name_the_usable_cores(capsys):
+    from symbiont.base.config import parse_cpus
+    from symbiont.cli import main
 
     usable = os.sched_getaffinity(0)
-    assert _cpu_list(",".join(map(str, usable))) == usable
-    with pytest.raises(argparse.ArgumentTypeError, match="use core numbers like 0"):
-        _cpu_list("first")
-    with pytest.raises(argparse.ArgumentTypeError, match="lets us use cores"):
-        _cpu_list(str(max(usable) + 1000))
+    assert parse_cpus(",".join(map(str, usable))) == usable
+    for text, message in [
+        ("first", "use core numbers like 0"),
+        (str(max(usable) + 1000), "lets us use cores"),
+    ]:
+        with pytest.raises(SystemExit):  # argparse: usage line, the message, exit status 2
+            main(["serve-base", "--model", "m", "--cpus", text])
+        assert message in capsys.readouterr().err
 
 
 def staller_job(path: str, url: str, ready, go_on, results) -> None:
@@ -293,4 +299,82 @@ def test_a_stalled_client_does_not_hold_the_others(checkpoints, policy):
             os.kill(staller.pid, signal.SIGCONT)
         assert results.get(timeout=60) == {"name": "staller", "ok": True}
         staller.join(30)
+        assert server.proc.poll() is None, server.log_text()
+
+
+def test_a_client_cannot_shrink_its_segment_under_the_executor(checkpoints, one_thread):
+    """Issue 11 #6: a client that truncated the segment the executor maps killed it with
+    SIGBUS. The executor now creates and seals every segment: truncation is refused by
+    the kernel, whoever tries, and the executor goes on serving."""
+    path = checkpoints("llama")
+    base = symbiont.BaseExecutor.from_pretrained(path)
+    with ServerProcess(path, args=("--threads", "1")) as server:
+        with symbiont.connect(server.url("ipc"), mode="shm") as executor:
+            x = torch.randn(3, 32)
+            assert torch.equal(executor.forward(0, x), base.forward(0, x))
+            fds = Path(f"/proc/{server.proc.pid}/fd")
+            segments = [fd for fd in fds.iterdir() if "memfd:symbiont" in os.readlink(fd)]
+            assert segments, "the executor owns no memfd segment"
+            for fd_path in segments:
+                fd = os.open(fd_path, os.O_RDWR)  # what the client itself opens
+                try:
+                    for size in (0, 1, 1 << 30):
+                        with pytest.raises(PermissionError):
+                            os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            for rows in (3, 200):  # the second grows the segment: a new sealed one
+                x = torch.randn(rows, 32)
+                assert torch.equal(executor.forward(0, x), base.forward(0, x))
+        assert server.proc.poll() is None, f"serve-base died:\n{server.log_text()}"
+
+
+def test_a_killed_executor_is_named_as_gone_not_as_slow(checkpoints):
+    """Issue 11 #9: after kill -9 of serve-base the client said it waited `timeout_s` per
+    attempt; it says the connection to that URL was lost and what to do."""
+    path = checkpoints("llama")
+    server = ServerProcess(path, args=("--threads", "1")).start()
+    try:
+        url = server.url("tcp")
+        executor = symbiont.connect(url, mode="zmq", connect_timeout_s=1, retries=1)
+        executor.forward(0, torch.zeros(1, 32))
+        server.proc.kill()
+        server.proc.wait()
+        start = time.monotonic()
+        with pytest.raises(symbiont.ExecutorUnavailable) as caught:
+            executor.forward(0, torch.zeros(1, 32))
+        assert time.monotonic() - start < 10, "it waited for timeout_s on a dead connection"
+        message = str(caught.value)
+        assert "lost the base executor at " + url in message and "dropped" in message
+        assert "start `symbiont serve-base`" in message
+        assert "timeout_s=60" not in message, message
+        executor.close()
+    finally:
+        server.stop()
+
+
+def _pss_bytes(pid: int) -> int:
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return 1024 * int(next(ln for ln in rollup.splitlines() if ln.startswith("Pss:")).split()[1])
+
+
+def test_a_huge_message_without_a_session_is_refused_before_it_is_read(checkpoints):
+    """Issue 11 #8: a 1 GiB frame from a peer that never said HELLO was read and allocated
+    in full; now no frame over MAX_FRAME_BYTES is read at all (ZeroMQ drops the peer)."""
+    path = checkpoints("llama")
+    base = symbiont.BaseExecutor.from_pretrained(path)
+    with ServerProcess(path, args=("--threads", "1")) as server:
+        before = _pss_bytes(server.proc.pid)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.url("tcp"))
+        huge = Call(call_id=1, op=1, layer=0, rows=(1 << 30) // 128, cols=32, dtype="float32")
+        sock.send_multipart([encode(huge), bytes(1 << 30)])
+        time.sleep(3)  # time enough to push 1 GiB through loopback
+        grown = _pss_bytes(server.proc.pid) - before
+        sock.close()
+        assert grown < 64 << 20, f"serve-base grew by {grown >> 20} MiB"
+        with symbiont.connect(server.url("tcp"), mode="zmq") as executor:
+            x = torch.randn(3, 32)
+            assert torch.allclose(executor.forward(0, x), base.forward(0, x), atol=1e-6)
         assert server.proc.poll() is None, server.log_text()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symbiont.executor.interface import Op
-from symbiont.service.config import BatchingPolicy, PolicyKind, ServiceConfig
-from symbiont.service.scheduler import Call, Scheduler, Session
+from symbiont.base.config import BatchingPolicy, PolicyKind, ServiceConfig
+from symbiont.base.scheduler import Call, Scheduler, Session
+from symbiont.protocol.executor import Op
 
 
 def sessions(count: int) -> dict[bytes, Session]:

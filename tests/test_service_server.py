@@ -11,14 +11,40 @@ import socket
 import threading
 import time
 
+import msgpack
 import pytest
 import torch
 import zmq
 
 import symbiont
-from symbiont.executor.interface import PROTOCOL_VERSION, ExecutorError, ExecutorUnavailable
-from symbiont.service import BatchingPolicy, ExecutorServer, ServiceConfig
-from symbiont.transport.wire import Code, Kind, pack, unpack
+from symbiont.base.config import BatchingPolicy, ServiceConfig
+from symbiont.base.server import ExecutorServer
+from symbiont.protocol.executor import PROTOCOL_VERSION, ExecutorError, ExecutorUnavailable, Op
+from symbiont.protocol.wire import (
+    Call,
+    Code,
+    Error,
+    Kind,
+    Welcome,
+    decode,
+    encode,
+    encode_fields,
+)
+
+
+def serving_thread(server: ExecutorServer) -> threading.Thread:
+    """Run `server` on a daemon thread with the caller's torch thread count: like with
+    like, since a new thread takes OpenMP's default (OMP_NUM_THREADS) and MKL's sums
+    differ in the last bits between thread counts."""
+    threads = torch.get_num_threads()
+
+    def serve() -> None:
+        torch.set_num_threads(threads)
+        server.serve_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager
@@ -28,8 +54,7 @@ def serve_in_thread(path, tmp_path, **options):
     config = ServiceConfig(bind=bind, spin_us=0, **options)
     server = ExecutorServer(symbiont.BaseExecutor.from_pretrained(path), config)
     server.bind()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    thread = serving_thread(server)
     try:
         yield server
     finally:
@@ -59,12 +84,12 @@ def raw_dealer(url):
 
 def ask(sock, *frames):
     sock.send_multipart(list(frames))
-    return unpack(sock.recv_multipart()[0])
+    return decode(sock.recv_multipart()[0])
 
 
 def hello(sock, **extra):
     info = {"protocol": PROTOCOL_VERSION, "label": "raw", **extra}
-    return ask(sock, pack(Kind.HELLO, 1, info))
+    return ask(sock, encode_fields(Kind.HELLO, call_id=1, **info))
 
 
 def assert_serves_correctly(server, url, **options):
@@ -136,7 +161,11 @@ def test_handshake_refuses_another_checkpoint_and_protocol(served, checkpoints):
         symbiont.load_client(checkpoints("gpt2"), executor)
     sock = raw_dealer(url)
     reply = hello(sock, protocol=PROTOCOL_VERSION + 1)
-    assert reply[0] is Kind.ERROR and reply[2] == Code.REFUSED and "protocol" in reply[3]
+    assert type(reply) is Error and reply.code == Code.REFUSED and "protocol" in reply.message
+    # A protocol-1 client (positional arrays) is answered in the shape it reads.
+    sock.send_multipart([msgpack.packb([int(Kind.HELLO), 4, {"protocol": 1}])])
+    old = msgpack.unpackb(sock.recv_multipart()[0])
+    assert old[:3] == [int(Kind.ERROR), 4, Code.REFUSED] and "upgrade symbiont" in old[3], old
     sock.close()
 
 
@@ -147,15 +176,16 @@ def test_malformed_messages_get_an_error_and_the_service_goes_on(served):
     spec = manifest.layers[0]
     x = torch.zeros(2, spec.in_features).numpy().tobytes()
 
-    def call(*fields, data=x):
-        return ask(sock, pack(Kind.CALL, 9, *fields), data)
+    def call(op, layer, rows, cols, dtype, data=x):
+        fields = dict(call_id=9, op=op, layer=layer, rows=rows, cols=cols, dtype=dtype)
+        return ask(sock, encode_fields(Kind.CALL, **fields), data)
 
-    assert ask(sock, b"\x00garbage\xff")[2] == Code.BAD_MESSAGE
-    assert call(1, 0, 2, spec.in_features, "float32")[2] == Code.NO_SESSION, "calls need HELLO"
-    assert hello(sock)[0] is Kind.WELCOME
+    assert ask(sock, b"\x00garbage\xff").code == Code.BAD_MESSAGE
+    assert call(1, 0, 2, spec.in_features, "float32").code == Code.NO_SESSION, "calls need HELLO"
+    assert type(hello(sock)) is Welcome
     cases = {
         "not msgpack": (ask(sock, b"\xc1"), Code.BAD_MESSAGE),
-        "not an array": (ask(sock, pack(Kind.CALL)[:1] + b"\x80"), Code.BAD_MESSAGE),
+        "not a map": (ask(sock, msgpack.packb(3)), Code.BAD_MESSAGE),
         "truncated": (call(1, 0, 2, spec.in_features, "float32", data=x[:7]), Code.BAD_CALL),
         "unknown layer": (call(1, 10_000, 2, spec.in_features, "float32"), Code.BAD_CALL),
         "wrong width": (call(1, 0, 2, spec.in_features + 1, "float32"), Code.BAD_CALL),
@@ -163,17 +193,24 @@ def test_malformed_messages_get_an_error_and_the_service_goes_on(served):
         "unknown op": (call(7, 0, 2, spec.in_features, "float32"), Code.BAD_CALL),
         "oversized": (call(1, 0, 1 << 30, spec.in_features, "float32"), Code.TOO_LARGE),
         "not ints": (call(1, "0", 2, spec.in_features, "float32"), Code.BAD_MESSAGE),
+        # Protocol 2: the executor creates every segment; a client names none (issue 11 #6).
         "bad segment": (
-            ask(sock, pack(Kind.ATTACH, 3, {"path": "/etc/passwd", "size": 1024})),
-            Code.REFUSED,
+            ask(sock, encode_fields(Kind.ATTACH, call_id=3, path="/etc/passwd", capacity=1024)),
+            Code.BAD_MESSAGE,
+        ),
+        "huge segment": (
+            ask(sock, encode_fields(Kind.ATTACH, call_id=3, capacity=1 << 40)),
+            Code.TOO_LARGE,
         ),
     }
     for name, (reply, code) in cases.items():
-        assert reply[0] is Kind.ERROR and reply[2] == code, f"{name}: {reply}"
-    assert "unknown layer id 10000" in cases["unknown layer"][0][3]
-    assert "float16" in cases["wrong dtype"][0][3]
+        assert type(reply) is Error and reply.code == code, f"{name}: {reply}"
+    assert "unknown layer id 10000" in cases["unknown layer"][0].message
+    assert "float16" in cases["wrong dtype"][0].message
+    assert "CALL.layer" in cases["not ints"][0].message, "the error names the field"
     # A frame over the size limit makes ZeroMQ drop that connection, nothing else.
-    sock.send_multipart([pack(Kind.CALL, 9, 1, 0, 2, spec.in_features, "float32"), bytes(2 << 20)])
+    big = dict(call_id=9, op=1, layer=0, rows=2, cols=spec.in_features, dtype="float32")
+    sock.send_multipart([encode_fields(Kind.CALL, **big), bytes(2 << 20)])
     sock.close()
     assert_serves_correctly(served, url)
 
@@ -242,9 +279,7 @@ def test_a_restarted_executor_is_reconnected_transparently(checkpoints, tmp_path
     def serve():
         server = ExecutorServer(base, ServiceConfig(bind=(url,), spin_us=0))
         server.bind()
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        return server, thread
+        return server, serving_thread(server)
 
     server, thread = serve()
     with symbiont.connect(url, spin_us=0, timeout_s=2, connect_timeout_s=2) as executor:
@@ -300,3 +335,97 @@ def test_calls_sharing_one_input_take_one_round_trip(served, mode):
         y = torch.randn(3, 32)
         executor.forward(q, y)
         assert torch.equal(executor.forward(v, y.clone()), base.forward(v, y)), "another tensor"
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_fused_calls_under_inference_mode_equal_the_in_process_executor(served, mode):
+    """`symbiont serve --executor URL` runs its model under torch.inference_mode, whose
+    tensors keep no version counter: fusion must not read it (it raised before)."""
+    base = served.executor
+    q, k, v = (base.manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv")
+    with remote(served.endpoints[1], mode=mode) as executor, torch.inference_mode():
+        x = torch.randn(3, 32)
+        for _ in range(3):
+            for layer in (q, k, v):
+                assert torch.equal(executor.forward(layer, x), base.forward(layer, x))
+        executor.forward(q, x)
+        x.add_(1.0)  # in place, unseen by any version counter: k must still be right
+        assert torch.equal(executor.forward(k, x), base.forward(k, x)), "stale fused output"
+
+
+def test_calls_sent_without_waiting_are_each_answered_never_dropped(served):
+    """Five CALLs on one connection, none waiting for its answer: every one is answered,
+    in order, with its result or with BUSY (one call at a time per connection)."""
+    base = served.executor
+    sock = raw_dealer(served.endpoints[0])
+    assert type(hello(sock)) is Welcome
+    xs = [torch.randn(2, 32) for _ in range(5)]
+    for call_id, x in enumerate(xs, start=10):
+        call = Call(call_id=call_id, op=Op.FORWARD, layer=0, rows=2, cols=32, dtype="float32")
+        sock.send_multipart([encode(call), x.numpy().tobytes()])
+    answered = {}
+    for _ in xs:
+        frames = sock.recv_multipart()  # raises zmq.Again after 5 s: a call was dropped
+        reply = decode(frames[0])
+        answered[reply.call_id] = (reply, frames[1:])
+    assert sorted(answered) == list(range(10, 15)), answered
+    for call_id, x in enumerate(xs, start=10):
+        reply, frames = answered[call_id]
+        if type(reply) is Error:
+            assert reply.code == Code.BUSY and "in flight" in reply.message
+        else:
+            y = torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).view(2, -1)
+            assert torch.equal(y, base.forward(0, x))
+    assert type(answered[10][0]) is not Error, "the first call is served"
+    sock.close()
+
+
+def test_large_calls_travel_in_parts_and_sessions_are_capped(checkpoints, tmp_path):
+    """Issue 11 #8: no frame over MAX_FRAME_BYTES is read from anyone; a larger x comes in
+    DATA parts taken only within a session; sessions are capped; a session that never
+    calls expires within seconds."""
+    from symbiont.protocol.wire import MAX_FRAME_BYTES
+
+    limits = dict(max_sessions=8, new_session_timeout_s=0.5)
+    with serve_in_thread(checkpoints("llama"), tmp_path, **limits) as server:
+        url = server.endpoints[0]
+        base = server.executor
+        with remote(url, mode="zmq") as executor:
+            rows = MAX_FRAME_BYTES // (32 * 4) * 3 + 5  # x of ~3 MiB: four parts
+            x = torch.randn(rows, 32)
+            assert torch.equal(executor.forward(0, x), base.forward(0, x))
+            g = torch.randn(rows, base.manifest.layers[0].out_features)
+            assert torch.equal(executor.backward(0, g), base.backward(0, g))
+            # Parts without a session, or out of order, are refused, not stored.
+            sock = raw_dealer(url)
+            part = encode_fields(Kind.DATA, call_id=1, offset=0)
+            assert ask(sock, part, bytes(1024)).code == Code.NO_SESSION
+            assert type(hello(sock)) is Welcome
+            big = dict(call_id=2, op=1, layer=0, rows=rows, cols=32, dtype="float32")
+            sock.send_multipart([encode_fields(Kind.CALL, **big)])
+            skipped = encode_fields(Kind.DATA, call_id=2, offset=MAX_FRAME_BYTES)
+            assert ask(sock, skipped, bytes(1024)).code == Code.BAD_CALL
+            sock.close()
+
+            socks = [raw_dealer(url) for _ in range(7)]
+            replies = [hello(s) for s in socks]  # 2 sessions open: our client, the raw one
+            assert [type(r) for r in replies] == [Welcome] * 6 + [Error]
+            assert replies[6].code == Code.REFUSED and "at most 8 clients" in replies[6].message
+            time.sleep(2.5)  # the fresh sessions expire; ours has made calls and stays
+            assert type(hello(socks[0])) is Welcome, "expired sessions made room again"
+            labels = [c["label"] for c in executor.stats()["clients"]]
+            assert labels.count("raw") == 1, labels
+            assert torch.equal(executor.forward(0, x[:3]), base.forward(0, x[:3]))
+            for s in socks:
+                s.close()
+
+
+def test_a_hello_with_a_bad_pid_is_answered_and_the_service_goes_on(served):
+    """Issue 11 #5: `int()` on HELLO's pid killed serve-base ("x", [1]) or overflowed."""
+    sock = raw_dealer(served.endpoints[0])
+    for pid in ("x", [1], 2**64 - 1, -1, {"a": 1}, 1.5):
+        reply = hello(sock, pid=pid)
+        assert type(reply) is Error and reply.code == Code.BAD_MESSAGE, (pid, reply)
+        assert "HELLO.pid" in reply.message and "int 0.." in reply.message
+    sock.close()
+    assert_serves_correctly(served, served.endpoints[0])

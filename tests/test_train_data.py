@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from symbiont.tenant import load_tokenizer
 from symbiont.train.data import (
     IGNORE_INDEX,
     DataError,
@@ -15,7 +16,6 @@ from symbiont.train.data import (
     read_records,
     tokenize_records,
 )
-from symbiont.train.session import load_tokenizer
 
 
 @pytest.fixture(scope="module")

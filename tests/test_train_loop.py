@@ -4,6 +4,8 @@ and transformers.Trainer running on a client unchanged."""
 from __future__ import annotations
 
 import json
+import pickle
+from pathlib import Path
 
 import peft
 import pytest
@@ -12,9 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import symbiont
-from symbiont.default_model import default_dataset
+from symbiont.model.default import default_dataset
+from symbiont.tenant import load_tokenizer
 from symbiont.train import (
-    AdapterSpec,
+    AdapterFlags,
     TrainConfig,
     build_peft_config,
     latest_checkpoint,
@@ -25,7 +28,6 @@ from symbiont.train import (
     train,
 )
 from symbiont.train import checkpoints as ckpt
-from symbiont.train.session import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +43,7 @@ def examples(model_dir):
 
 
 # LoRA dropout on, so resume must also restore the RNG to be exact.
-SPEC = AdapterSpec(method="lora", r=4, dropout=0.1, target="all-linear")
+SPEC = AdapterFlags(method="lora", r=4, dropout=0.1, target="all-linear")
 CONFIG = TrainConfig(max_steps=6, batch_size=2, grad_accum=2, lr=1e-3, save_every=2, seed=3)
 
 
@@ -105,6 +107,38 @@ def test_resume_refuses_changed_settings(model_dir, executor, examples, tmp_path
         )
 
 
+class _Planted:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+def test_resume_never_unpickles_what_the_run_folder_holds(model_dir, executor, examples, tmp_path):
+    out, config = tmp_path / "run", TrainConfig(max_steps=4, save_every=2)
+    with pytest.raises(Interrupt):
+        run(client(model_dir, executor), examples, out, config, on_step=interrupt_at(3))
+    checkpoint = latest_checkpoint(out)
+    assert {p.name for p in checkpoint.glob("*.pt")} <= {"optimizer.pt", "rng.pt"}, (
+        "non-tensor state must be JSON"
+    )
+    assert json.loads((checkpoint / "scheduler.json").read_text())["last_epoch"] == 2
+    marker = tmp_path / "marker"
+    planted = {  # a planted legacy scheduler file, a planted tensor file
+        "scheduler.pt": "does not unpickle them",
+        "optimizer.pt": "Weights only load failed",
+    }
+    for name, message in planted.items():
+        (checkpoint / "scheduler.json").unlink(missing_ok=True)
+        torch.save(_Planted(marker), checkpoint / name)
+        with pytest.raises((ValueError, pickle.UnpicklingError), match=message):
+            run(client(model_dir, executor), examples, out, config, resume=True)
+        assert not marker.exists(), f"resume ran code planted in {name}"
+
+
 def test_a_failed_checkpoint_write_leaves_no_partial_checkpoint(
     model_dir, executor, examples, tmp_path, monkeypatch
 ):
@@ -148,7 +182,7 @@ def test_saved_adapter_reproduces_outputs_in_vanilla_peft(model_dir, executor, e
 
 @pytest.mark.parametrize("method", ["ia3", "prefix"])
 def test_other_methods_train_and_lower_the_loss(model_dir, executor, examples, tmp_path, method):
-    model = client(model_dir, executor, AdapterSpec(method=method, virtual_tokens=4))
+    model = client(model_dir, executor, AdapterFlags(method=method, virtual_tokens=4))
     config = TrainConfig(max_steps=8, lr=3e-2, batch_size=4, schedule="constant", log_every=4)
     records = []
     run(model, examples, tmp_path, config=config, on_step=records.append)
@@ -169,7 +203,7 @@ def test_transformers_trainer_runs_on_a_client_unchanged(model_dir, executor, ex
 
     from symbiont.train import collate
 
-    model = client(model_dir, executor, AdapterSpec(method="lora", r=4))
+    model = client(model_dir, executor, AdapterFlags(method="lora", r=4))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -197,8 +231,8 @@ def test_grad_accum_equals_a_bigger_batch_of_equal_length_rows(model_dir, execut
     from symbiont.train import Example
 
     rows = [Example(tuple(range(5 + i, 13 + i)), tuple(range(5 + i, 13 + i))) for i in range(4)]
-    one = client(model_dir, executor, AdapterSpec(r=4))
-    two = client(model_dir, executor, AdapterSpec(r=4))
+    one = client(model_dir, executor, AdapterFlags(r=4))
+    two = client(model_dir, executor, AdapterFlags(r=4))
     run(one, rows, tmp_path / "a", config=TrainConfig(max_steps=1, batch_size=4, lr=1e-2))
     run(two, rows, tmp_path / "b", config=TrainConfig(max_steps=1, batch_size=2, grad_accum=2, lr=1e-2))  # fmt: skip
     a, b = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
@@ -208,4 +242,10 @@ def test_grad_accum_equals_a_bigger_batch_of_equal_length_rows(model_dir, execut
 
 def test_pad_id_falls_back_to_eos(model_dir):
     tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.pad_token_id is not None, "the default tokenizer has its own pad token"
     assert pad_id(tokenizer) == tokenizer.pad_token_id
+    tokenizer.pad_token = None  # a checkpoint without a pad token: batches pad with EOS
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None
+    assert pad_id(tokenizer) == tokenizer.eos_token_id
+    tokenizer.eos_token = None  # neither: token 0 (labels mask the padding anyway)
+    assert pad_id(tokenizer) == 0

@@ -113,6 +113,31 @@ ARCHS = {
             ("q_proj", "v_proj"),
             ("fc1", "fc2"),
         ),
+        # transformers renames keys on load for these two: GPT-NeoX saves `lm_head` as
+        # `embed_out`, GraniteMoe its fused expert weights under their legacy names.
+        Arch(
+            "gpt_neox",
+            "gpt_neox",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=128,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                **_COMMON,
+            ),
+            ("query_key_value",),
+            ("dense_h_to_4h", "dense_4h_to_h"),
+        ),
+        Arch(
+            "granitemoe",
+            "granitemoe",
+            {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+            ("q_proj", "v_proj"),
+            (),  # the experts are fused parameters, not linear modules
+        ),
     ]
 }
 

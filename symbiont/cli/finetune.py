@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
+from pathlib import Path
+
+from symbiont.cli.flags import FlagError
 
 HELP = "fine-tune a PEFT adapter (LoRA, IA3, prefix tuning, ...) through a base executor"
 
@@ -40,13 +44,15 @@ def register(subparsers) -> None:
 
 
 def _add_model_flags(parser) -> None:
+    from symbiont.cli.flags import MODEL_HELP
+
     group = parser.add_argument_group("model and executor")
     group.add_argument(
         "--model",
         required=True,
         metavar="DIR",
-        help="local Hugging Face checkpoint folder of the base model (with tokenizer); the "
-        "client reads its embeddings and norms from it, never its linear weights",
+        help=MODEL_HELP + "; the client reads its embeddings and norms from it, never its "
+        "linear weights",
     )
     group.add_argument(
         "--executor",
@@ -68,36 +74,28 @@ def _add_model_flags(parser) -> None:
     )
 
 
+# Help for the fields of `AdapterFlags` (symbiont.adapters); their defaults come from it.
+ADAPTER_HELP = {
+    "method": {"help": "PEFT method; ignored with --peft-config"},
+    "r": {"help": "adapter rank"},
+    "alpha": {"help": "LoRA/LoHa/LoKr alpha (default: 2 * r)"},
+    "dropout": {"help": "LoRA dropout probability"},
+    "target": {
+        "help": "modules to adapt: 'all-linear' or comma-separated names such as "
+        "q_proj,v_proj (default: PEFT's choice for the architecture)",
+        "metavar": "MODULES",
+    },
+    "virtual_tokens": {"help": "virtual tokens for prefix and prompt tuning"},
+}
+
+
 def _add_adapter_flags(parser) -> None:
-    from symbiont.train.adapters import METHODS
+    from symbiont.adapters import METHODS, AdapterFlags
+    from symbiont.cli.flags import add_flags
 
     group = parser.add_argument_group("adapter")
-    group.add_argument(
-        "--method",
-        default="lora",
-        choices=METHODS,
-        help="PEFT method (default lora); ignored with --peft-config",
-    )
-    group.add_argument("--r", type=int, default=16, help="adapter rank (default 16)")
-    group.add_argument(
-        "--alpha", type=float, default=None, help="LoRA/LoHa/LoKr alpha (default 2 * r)"
-    )
-    group.add_argument(
-        "--dropout", type=float, default=0.0, help="LoRA dropout probability (default 0)"
-    )
-    group.add_argument(
-        "--target",
-        default=None,
-        metavar="MODULES",
-        help="modules to adapt: 'all-linear' or comma-separated names such as q_proj,v_proj "
-        "(default: PEFT's choice for the architecture)",
-    )
-    group.add_argument(
-        "--virtual-tokens",
-        type=int,
-        default=16,
-        help="virtual tokens for prefix and prompt tuning (default 16)",
-    )
+    meta = {**ADAPTER_HELP, "method": {**ADAPTER_HELP["method"], "choices": METHODS}}
+    add_flags(group, AdapterFlags, meta=meta)
     group.add_argument(
         "--peft-config",
         metavar="JSON",
@@ -114,75 +112,27 @@ def _add_data_flags(parser) -> None:
     group.add_argument(
         "--eval-data", metavar="PATH", help="held-out data for the periodic eval loss"
     )
-    group.add_argument(
-        "--max-length",
-        type=int,
-        default=512,
-        help="truncate examples to this many tokens (default 512)",
-    )
 
 
 def _add_training_flags(parser) -> None:
+    from symbiont.cli.flags import add_flags
+    from symbiont.train.config import TrainConfig
+
     group = parser.add_argument_group("training")
     group.add_argument(
         "--out", required=True, metavar="DIR", help="output folder (adapter, checkpoints, metrics)"
     )
-    group.add_argument(
-        "--max-steps",
-        type=int,
-        default=0,
-        help="optimizer steps to run; 0 (default) runs --epochs epochs",
-    )
-    group.add_argument("--epochs", type=int, default=1, help="epochs when --max-steps is 0")
-    group.add_argument(
-        "--batch-size", type=int, default=2, help="examples per micro-batch (default 2)"
-    )
-    group.add_argument(
-        "--grad-accum",
-        type=int,
-        default=1,
-        help="micro-batches per optimizer step (default 1)",
-    )
-    group.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (default 2e-4)")
-    group.add_argument(
-        "--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)"
-    )
-    group.add_argument(
-        "--schedule",
-        default="linear",
-        choices=("linear", "cosine", "constant", "constant_with_warmup"),
-        help="learning-rate schedule after warm-up (default linear decay to 0)",
-    )
-    group.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
-    group.add_argument(
-        "--max-grad-norm",
-        type=float,
-        default=1.0,
-        help="clip the gradient norm to this (default 1.0; 0 disables)",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed for adapter init and data order")
-    group.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        help="optimizer steps between eval losses (default: only at the end)",
-    )
-    group.add_argument(
-        "--save-every",
-        type=int,
-        default=0,
-        help="optimizer steps between checkpoints (default: only at the end)",
-    )
-    group.add_argument(
-        "--save-total-limit",
-        type=int,
-        default=2,
-        help="checkpoints to keep, oldest deleted first (default 2; 0 keeps all)",
-    )
-    group.add_argument(
+    add_flags(group, TrainConfig)
+    again = group.add_mutually_exclusive_group()
+    again.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --out (same settings required)",
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (its adapter, checkpoints and metrics)",
     )
     group.add_argument(
         "--no-progress", action="store_true", help="no progress bar (metrics are still written)"
@@ -190,55 +140,59 @@ def _add_training_flags(parser) -> None:
 
 
 def train_config(args):
-    from symbiont.train import TrainConfig
+    from symbiont.cli.flags import from_args
+    from symbiont.train.config import TrainConfig
 
-    return TrainConfig(
-        max_steps=args.max_steps,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        schedule=args.schedule,
-        max_grad_norm=args.max_grad_norm,
-        max_length=args.max_length,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        save_total_limit=args.save_total_limit,
-    )
+    return from_args(TrainConfig, args)
 
 
 def peft_config(args, total_steps: int):
-    from symbiont.train import AdapterSpec, build_peft_config, load_peft_config
+    from symbiont.adapters import AdapterFlags, build_peft_config, load_peft_config
+    from symbiont.cli.flags import from_args
 
     if args.peft_config:
         return load_peft_config(args.peft_config)
-    spec = AdapterSpec(
-        method=args.method,
-        r=args.r,
-        alpha=args.alpha,
-        dropout=args.dropout,
-        target=args.target,
-        virtual_tokens=args.virtual_tokens,
-    )
-    return build_peft_config(spec, total_steps)
+    return build_peft_config(from_args(AdapterFlags, args), total_steps)
+
+
+def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to train over an earlier run in `out` unless asked to resume or replace it."""
+    from symbiont.train.checkpoints import ADAPTER_FILES, CHECKPOINT_PREFIX
+    from symbiont.train.loop import METRICS_FILE, SUMMARY_FILE
+
+    if resume or not out.is_dir():
+        return
+    files = [out / name for name in (*ADAPTER_FILES, METRICS_FILE, SUMMARY_FILE)]
+    earlier = [p for p in files if p.exists()]
+    earlier += sorted(p for p in out.glob(CHECKPOINT_PREFIX + "*") if p.is_dir())
+    if not earlier:
+        return
+    if not overwrite:
+        raise FlagError(
+            f"--out {out} already holds a run ({', '.join(p.name for p in earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}): pass --resume to continue it, "
+            "--overwrite to replace it, or choose another --out"
+        )
+    log.info("--overwrite: removing the earlier run in %s", out)
+    for path in earlier:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def run(args) -> int:
     import peft
     import torch
 
+    from symbiont.cli.flags import resolve_model
+    from symbiont.tenant import open_client, open_executor, set_threads
     from symbiont.train import load_examples, pad_id, train
-    from symbiont.train.session import open_client, set_threads
-    from symbiont.transport import open_executor
 
-    set_threads(args.threads)
     config = train_config(args)
-    executor = open_executor(args.model, args.executor, dtype=args.dtype)
+    prepare_out(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    set_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    executor = open_executor(model_dir, args.executor, dtype=args.dtype)
     try:
-        model, tokenizer = open_client(args.model, executor, dtype=args.dtype)
+        model, tokenizer = open_client(model_dir, executor, dtype=args.dtype)
         examples = load_examples(args.data, tokenizer, config.max_length)
         evals = (
             load_examples(args.eval_data, tokenizer, config.max_length) if args.eval_data else []

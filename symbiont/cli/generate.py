@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+# The command decodes greedily and longer than the API's defaults (OpenAI's 16 tokens at
+# temperature 1): a person at a terminal wants a whole, reproducible answer.
+GENERATE_DEFAULTS_FIELDS = {"max_tokens": 128, "temperature": 0.0}
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
 HELP = "generate text through a base executor, with or without a PEFT adapter"
 
 DESCRIPTION = """\
@@ -13,24 +18,23 @@ on a base executor: a remote one (`symbiont serve-base`, --executor URL) or one 
 in this process from --model. --adapter loads any standard PEFT adapter folder, whether
 `symbiont finetune` wrote it or it was trained elsewhere with vanilla peft.
 
-Decoding is greedy unless --temperature > 0. Text goes to stdout (token by token with
---stream); a summary line goes to stderr.
+Decoding is greedy unless --temperature > 0; sampling follows the same rules as
+`symbiont serve` (docs/serving.md). Text goes to stdout (token by token with --stream);
+a summary line goes to stderr.
 """
 
 
 def register(subparsers) -> None:
+    from symbiont.cli.flags import MODEL_HELP, add_flags
+    from symbiont.decoding import SamplingParams
+
     parser = subparsers.add_parser(
         "generate",
         help=HELP,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR",
-        help="local Hugging Face checkpoint folder of the base model (with tokenizer)",
-    )
+    parser.add_argument("--model", required=True, metavar="DIR", help=MODEL_HELP)
     parser.add_argument(
         "--executor",
         metavar="URL",
@@ -38,7 +42,7 @@ def register(subparsers) -> None:
         "default: load the base executor in this process",
     )
     parser.add_argument(
-        "--adapter", metavar="DIR", help="PEFT adapter folder (adapter_config.json + weights)"
+        "--adapter", metavar="DIR", help="PEFT adapter folder, as save_pretrained writes it"
     )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
@@ -50,85 +54,95 @@ def register(subparsers) -> None:
         action="store_true",
         help="wrap the prompt as a user message with the tokenizer's chat template",
     )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)"
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature; 0 (default) decodes greedily",
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)"
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)"
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    parser.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="stop when TEXT is generated (not printed); repeat for several",
+    add_flags(
+        parser,
+        SamplingParams,
+        only=SAMPLING_FLAGS,
+        meta={"max_tokens": {"flag": "--max-new-tokens"}},
+        defaults=generate_defaults(),
     )
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     parser.add_argument(
         "--kv-offload",
-        default="none",
         choices=("none", "cpu"),
         help="'cpu' keeps the KV cache in host memory, for long contexts (a CPU client "
-        "already does)",
+        "already does; default: none)",
     )
-    parser.add_argument(
-        "--device", default="cpu", help="device of the client side (default cpu; e.g. cuda:0)"
-    )
+    parser.add_argument("--device", help="device of the client side (default: cpu; e.g. cuda:0)")
     parser.add_argument("--dtype", default=None, help="client dtype (default: the executor's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.set_defaults(func=run)
 
 
-def settings_from(args):
-    from symbiont.generation import GenerationSettings
+def generate_defaults():
+    from symbiont.decoding import SamplingParams
 
-    return GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        kv_offload=args.kv_offload,
-    )
+    return SamplingParams(**GENERATE_DEFAULTS_FIELDS)
+
+
+def settings_from(args):
+    """The shared `SamplingParams` of the flags (a bad value raises ValueError naming its flag)."""
+    from symbiont.decoding import InvalidSamplingParams, SamplingParams
+
+    try:
+        values = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        values["stop"] = tuple(values["stop"] or ())
+        return SamplingParams(**values)
+    except InvalidSamplingParams as err:
+        name = "max-new-tokens" if err.field == "max_tokens" else err.field.replace("_", "-")
+        raise ValueError(f"--{name}: {str(err).split(': ', 1)[1]}") from None
 
 
 def load_adapter(model, adapter: str):
-    from pathlib import Path
-
+    """The model with the PEFT adapter folder `adapter` on it, refused when it was made
+    for another base (a target module or shape this model lacks)."""
     import peft
 
-    if not (Path(adapter) / "adapter_config.json").is_file():
-        raise ValueError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
-    return peft.PeftModel.from_pretrained(model, adapter).eval()
+    from symbiont.adapters import read_adapter
+
+    spec = read_adapter(adapter)
+    spec.check_base(model)
+    return peft.PeftModel.from_pretrained(model, str(spec.path)).eval()
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt the model cannot attend over, before spending time on it."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {limit} tokens; shorten the prompt or lower "
+            "--max-new-tokens"
+        )
 
 
 def run(args) -> int:
-    from symbiont.generation import chat_prompt, generate
-    from symbiont.train.session import open_client, set_threads
-    from symbiont.transport import open_executor
+    from symbiont.cli.flags import resolve_model
+    from symbiont.decoding import chat_prompt, generate
+    from symbiont.tenant import open_client, open_executor, set_threads
 
     set_threads(args.threads)
+    args.model = resolve_model(args.model)
     settings = settings_from(args)
     text = _read_prompt(args)
     executor = open_executor(args.model, args.executor, dtype=args.dtype)
     try:
-        model, tokenizer = open_client(args.model, executor, device=args.device, dtype=args.dtype)
+        model, tokenizer = open_client(
+            args.model, executor, device=args.device or "cpu", dtype=args.dtype
+        )
         if args.adapter:
             model = load_adapter(model, args.adapter)
-        prompt = chat_prompt(tokenizer, text) if args.chat else text
+        prompt = chat_prompt(tokenizer, text) if args.chat else tokenizer(text)["input_ids"]
+        check_context(model, len(prompt), settings.max_tokens)
         on_text = _print_now if args.stream else None
-        result = generate(model, tokenizer, prompt, settings, on_text=on_text)
+        result = generate(
+            model,
+            tokenizer,
+            prompt,
+            settings,
+            on_text=on_text,
+            kv_offload=args.kv_offload or "none",
+        )
     finally:
         executor.close()
     if not args.stream:

@@ -3,28 +3,45 @@
 from __future__ import annotations
 
 import json
-import os
+from dataclasses import dataclass, field
+
+from symbiont.cli.flags import add_flags, from_args
 
 HELP = "print live statistics of a running serve-base (clients, per-layer batching, tokens/s)"
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    """What `symbiont stats` asks and how long it waits (each field is a flag)."""
+
+    token: str | None = field(
+        default=None,
+        metadata={"help": "the executor's shared secret", "env": "SYMBIONT_TOKEN"},
+    )
+    json: bool = field(default=False, metadata={"help": "print the raw JSON"})
+    timeout: float = field(default=5.0, metadata={"help": "seconds to wait for an answer"})
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("stats", help=HELP, description=HELP)
     parser.add_argument("url", help="the executor's URL, e.g. tcp://127.0.0.1:7100")
-    parser.add_argument("--token", default=os.environ.get("SYMBIONT_TOKEN"))
-    parser.add_argument("--json", action="store_true", help="print the raw JSON")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    add_flags(parser, StatsQuery)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from symbiont.transport import connect
+    from symbiont.client.remote import connect
 
+    query = from_args(StatsQuery, args)
     with connect(
-        args.url, token=args.token, mode="zmq", label="stats", connect_timeout_s=args.timeout
+        args.url, token=query.token, mode="zmq", label="stats", connect_timeout_s=query.timeout
     ) as executor:
         stats = executor.stats()
-    print(json.dumps(stats, indent=2) if args.json else render(stats))
+    print(json.dumps(stats, indent=2) if query.json else render(stats))
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The client side: an ordinary HF model whose frozen linear layers run on an executor."""
+"""The client side: an ordinary HF model whose frozen linear layers run on an executor.
 
-from symbiont.client.loader import load_client
-from symbiont.client.virt import VirtConv1D, VirtLayer, VirtLinear
-
-__all__ = ["load_client", "VirtLayer", "VirtLinear", "VirtConv1D"]
+`loader.py` builds it (`load_client`), `virt.py` holds the VirtLayers, `remote.py` reaches
+a `serve-base` process (`connect`), `fusion.py` fuses forward calls that
+share an input into one round trip.
+"""

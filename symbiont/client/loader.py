@@ -7,17 +7,17 @@ import os
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from symbiont.checkpoint import Checkpoint, CheckpointError
 from symbiont.client.virt import make_virt_layer
-from symbiont.executor.interface import PROTOCOL_VERSION, Executor, ExecutorError
-from symbiont.layers import find_base_layers, spec_of
-from symbiont.skeleton import (
+from symbiont.model.checkpoint import Checkpoint, CheckpointError
+from symbiont.model.layers import find_base_layers, spec_of
+from symbiont.model.skeleton import (
     build_skeleton,
     checkpoint_key,
     owner_of,
     resolve_dtype,
     set_tensor,
 )
+from symbiont.protocol.executor import PROTOCOL_VERSION, Executor, ExecutorError
 
 
 def load_client(

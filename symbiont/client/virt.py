@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from symbiont.executor.interface import Executor, Op
-from symbiont.layers import LayerSpec
+from symbiont.model.layers import LayerSpec
+from symbiont.protocol.executor import Executor, Op
 
 
 class _BaseLayerCall(torch.autograd.Function):

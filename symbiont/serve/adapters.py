@@ -9,28 +9,32 @@ IA3 and one grouped pair of `bmm`s for LoRA, whatever mix of adapters is in the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from peft import PeftConfig
 from peft.utils.other import get_pattern_key
-from safetensors.torch import load_file
 from torch import nn
 
-from symbiont.layers import find_base_layers
+from symbiont.adapters.spec import PEFT_KEY_PREFIX, AdapterError, AdapterSpec, read_adapter
+from symbiont.model.layers import find_base_layers, spec_of
+from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.context import AdapterBatch, LoraBucket, current_context
-from symbiont.skeleton import owner_of
 
-_PEFT_PREFIX = "base_model.model."
+SERVED_METHODS = ("lora", "ia3")
 
-
-class AdapterError(ValueError):
-    """An adapter cannot be loaded or served; the message says what to fix."""
+__all__ = [
+    "AdapterError",
+    "AdapterLayer",
+    "AdapterNotFound",
+    "AdapterRegistry",
+    "AdapterWeights",
+    "Ia3Weights",
+    "LoraWeights",
+    "adapter_batch",
+]
 
 
 class AdapterNotFound(KeyError):
@@ -174,7 +178,10 @@ class AdapterRegistry:
     def __init__(self, model: nn.Module, config: EngineConfig):
         self.model = model
         self.config = config
-        self._base = {name: m for name, m in find_base_layers(model) if _servable(model, m)}
+        layers = find_base_layers(model)
+        self._base = {name: m for name, m in layers if _servable(model, m)}
+        self._specs = tuple(spec_of(i, name, m) for i, (name, m) in enumerate(self._base.items()))
+        self._unservable = {name for name, _ in layers} - set(self._base)
         self._layers: dict[str, AdapterLayer] = {}
         self._by_name: dict[str, _Resident] = {}
         self._by_slot: dict[int, _Resident] = {}
@@ -186,85 +193,65 @@ class AdapterRegistry:
 
     def parse(self, path: str | os.PathLike) -> AdapterWeights:
         """Read and validate a PEFT adapter folder against this model and config."""
-        folder = Path(path)
-        if not (folder / "adapter_config.json").is_file():
+        spec = read_adapter(path)
+        if spec.method not in SERVED_METHODS:
             raise AdapterError(
-                f"{folder} is not a PEFT adapter folder (no adapter_config.json); pass the "
-                "folder that model.save_pretrained() wrote"
+                f"{spec.path} is a {spec.peft_type} adapter; the serving engine batches LoRA "
+                "and IA3 adapters only (use `symbiont generate --adapter` for other PEFT methods)"
             )
-        try:
-            config = PeftConfig.from_pretrained(str(folder))
-        except (ValueError, TypeError, json.JSONDecodeError) as err:
-            raise AdapterError(
-                f"{folder}/adapter_config.json is not a valid PEFT config: {err}"
-            ) from err
-        method = str(getattr(config.peft_type, "value", config.peft_type)).lower()
-        if method not in ("lora", "ia3"):
-            raise AdapterError(
-                f"{folder} is a {method.upper()} adapter; the serving engine batches LoRA and "
-                "IA3 adapters (use `symbiont generate` for other PEFT methods)"
-            )
-        _refuse_unsupported(folder, config)
-        tensors = _read_tensors(folder)
-        modules = self._modules_of(folder, method, config, tensors)
-        return AdapterWeights(str(folder), method, modules)
+        _refuse_unsupported(spec)
+        self._check_targets(spec)
+        tensors = spec.load_tensors()
+        modules = self._modules_of(spec, tensors)
+        return AdapterWeights(str(spec.path), spec.method, modules)
 
-    def _modules_of(self, folder, method, config, tensors) -> dict:
+    def _check_targets(self, spec: AdapterSpec) -> None:
+        unserved = sorted(set(spec.modules) & self._unservable)
+        if unserved:
+            raise AdapterError(
+                f"{spec.path}: the adapter targets {unserved[0]!r}, the output layer; adapters "
+                "on the output layer (lm_head) are not served"
+            )
+        spec.check_base(self._specs)
+        for name, r in spec.ranks.items():
+            if r > self.config.max_lora_rank:
+                raise AdapterError(
+                    f"{spec.path}: {name} has LoRA rank {r}, above max_lora_rank "
+                    f"{self.config.max_lora_rank}; restart the server with --max-lora-rank {r}"
+                )
+
+    def _modules_of(self, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> dict:
         grouped: dict[str, dict[str, torch.Tensor]] = {}
-        suffixes = (".lora_A.weight", ".lora_B.weight") if method == "lora" else (".ia3_l",)
+        suffixes = (".lora_A.weight", ".lora_B.weight") if spec.method == "lora" else (".ia3_l",)
         for key, tensor in tensors.items():
-            stem = key.removeprefix(_PEFT_PREFIX)
+            stem = key.removeprefix(PEFT_KEY_PREFIX)
             suffix = next((s for s in suffixes if stem.endswith(s)), None)
             if suffix is None:
                 raise AdapterError(
-                    f"{folder}: tensor {key!r} is not a {method.upper()} weight of a linear "
+                    f"{spec.path}: tensor {key!r} is not a {spec.peft_type} weight of a linear "
                     "layer (embedding adapters, biases and modules_to_save are not served)"
                 )
             grouped.setdefault(stem.removesuffix(suffix), {})[suffix] = tensor
         if not grouped:
-            raise AdapterError(f"{folder}: the adapter holds no {method.upper()} weights")
-        build = self._lora_module if method == "lora" else self._ia3_module
-        return {name: build(folder, config, name, parts) for name, parts in grouped.items()}
+            raise AdapterError(f"{spec.path}: the adapter holds no {spec.peft_type} weights")
+        build = self._lora_module if spec.method == "lora" else self._ia3_module
+        return {name: build(spec, name, parts) for name, parts in grouped.items()}
 
-    def _base_layer(self, folder, name: str) -> nn.Module:
-        if name not in self._base:
-            raise AdapterError(
-                f"{folder}: the adapter targets {name!r}, which is not a linear layer of this "
-                "model that adapters may target (lm_head is not); was it trained on another base?"
-            )
-        return self._base[name]
-
-    def _lora_module(self, folder, config, name, parts) -> LoraWeights:
+    def _lora_module(self, spec: AdapterSpec, name: str, parts) -> LoraWeights:
         if set(parts) != {".lora_A.weight", ".lora_B.weight"}:
-            raise AdapterError(f"{folder}: {name} has {sorted(parts)}, LoRA needs both A and B")
+            raise AdapterError(f"{spec.path}: {name} has {sorted(parts)}, LoRA needs both A and B")
         a, b = parts[".lora_A.weight"], parts[".lora_B.weight"]
-        base, r = self._base_layer(folder, name), a.shape[0]
-        want_a, want_b = (r, _in(base)), (_out(base), r)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise AdapterError(
-                f"{folder}: {name} LoRA shapes A {list(a.shape)}, B {list(b.shape)} do not fit "
-                f"the base layer (expected A {list(want_a)}, B {list(want_b)})"
-            )
-        if r > self.config.max_lora_rank:
-            raise AdapterError(
-                f"{folder}: {name} has LoRA rank {r}, above max_lora_rank "
-                f"{self.config.max_lora_rank}; restart the server with --max-lora-rank {r}"
-            )
+        config, r = spec.config, a.shape[0]
         alpha = config.alpha_pattern.get(
             get_pattern_key(config.alpha_pattern, name), config.lora_alpha
         )
         scale = alpha / math.sqrt(r) if config.use_rslora else alpha / r
-        return LoraWeights(_checked(folder, name, a), _checked(folder, name, b), float(scale))
+        return LoraWeights(a, b, float(scale))
 
-    def _ia3_module(self, folder, config, name, parts) -> Ia3Weights:
-        vector, base = parts[".ia3_l"], self._base_layer(folder, name)
-        feedforward = tuple(vector.shape) == (1, _in(base))
-        if not feedforward and tuple(vector.shape) != (_out(base), 1):
-            raise AdapterError(
-                f"{folder}: {name} IA3 vector has shape {list(vector.shape)}; the base layer "
-                f"expects [1, {_in(base)}] (feed-forward) or [{_out(base)}, 1]"
-            )
-        return Ia3Weights(_checked(folder, name, vector.flatten()), feedforward)
+    def _ia3_module(self, spec: AdapterSpec, name: str, parts) -> Ia3Weights:
+        vector = parts[".ia3_l"]  # [1, in] (feed-forward) or [out, 1], as check_base found
+        feedforward = vector.shape[0] == 1 and vector.shape[1] != 1
+        return Ia3Weights(vector.flatten(), feedforward)
 
     # -- slots ------------------------------------------------------------------------
 
@@ -283,7 +270,7 @@ class AdapterRegistry:
         resident = _Resident(name, slot, weights)
         self._by_name[name] = resident
         self._by_slot[slot] = resident
-        self.slot_bucket[slot] = _bucket_rank(weights.rank, self.config.max_lora_rank)
+        self.slot_bucket[slot] = bucket_rank(weights.rank, self.config.max_lora_rank)
         self.slot_is_ia3[slot] = weights.method == "ia3"
         return slot
 
@@ -350,6 +337,11 @@ class AdapterRegistry:
         }
 
     @property
+    def num_free_slots(self) -> int:
+        """Adapter slots not holding an adapter (slot 0, "no adapter", is not counted)."""
+        return len(self._free)
+
+    @property
     def num_loaded(self) -> int:
         return len(self._by_name)
 
@@ -385,7 +377,7 @@ def _lora_bucket(token_slots: torch.Tensor, member: torch.Tensor, rank: int) -> 
     return LoraBucket(rank, group_slots, index.view(len(group_slots), max_len), rows, tokens)
 
 
-def _bucket_rank(rank: int, max_rank: int) -> int:
+def bucket_rank(rank: int, max_rank: int) -> int:
     """rank rounded up to a power of two, at most max_rank; 0 stays 0 (not LoRA)."""
     return 0 if rank == 0 else min(1 << (rank - 1).bit_length(), max_rank)
 
@@ -402,32 +394,13 @@ def _out(module: nn.Module) -> int:
     return module.spec.out_features if hasattr(module, "spec") else module.weight.shape[0]
 
 
-def _checked(folder, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if not torch.isfinite(tensor).all():
-        raise AdapterError(f"{folder}: {name} holds NaN or infinite values; the adapter is broken")
-    return tensor
-
-
-def _refuse_unsupported(folder: Path, config: PeftConfig) -> None:
+def _refuse_unsupported(spec: AdapterSpec) -> None:
     refusals = {
-        "use_dora": "DoRA adapters need the base weights and are not served",
         "lora_bias": "LoRA biases (lora_bias=True) are not served",
         "modules_to_save": "modules_to_save (fully trained extra modules) are not served",
         "layer_replication": "layer_replication is not served",
         "trainable_token_indices": "trainable_token_indices are not served",
     }
     for field_name, why in refusals.items():
-        if getattr(config, field_name, None):
-            raise AdapterError(f"{folder}: {why}; retrain without `{field_name}`")
-
-
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    safetensors, pickled = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
-    try:
-        if safetensors.is_file():
-            return load_file(str(safetensors))
-        if pickled.is_file():
-            return torch.load(pickled, map_location="cpu", weights_only=True)
-    except Exception as err:  # corrupt files raise many types; report which file and why
-        raise AdapterError(f"{folder}: cannot read the adapter weights: {err}") from err
-    raise AdapterError(f"{folder} has no adapter_model.safetensors or adapter_model.bin")
+        if getattr(spec.config, field_name, None):
+            raise AdapterError(f"{spec.path}: {why}; retrain without `{field_name}`")

@@ -4,11 +4,17 @@ The engine thread alone touches the `Engine`: it runs queued commands (add a req
 abort, load or unload an adapter) between iterations, then one iteration, and hands
 each request's outputs to that request's asyncio queue. Nothing in the event loop
 waits on model compute; nothing in the engine thread waits on a client.
+
+A failing iteration fails its own requests inside `Engine.step`. Anything that escapes it
+means the engine cannot go on: the thread fails every request it holds, refuses new work
+with `EngineStopped`, records `error` and calls `on_failure` (the server then reports 503
+and exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -22,6 +28,10 @@ from symbiont.serve.sequence import Request, RequestOutput
 log = logging.getLogger(__name__)
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (failed, or shut down); nothing more can be served."""
+
+
 class RequestStream:
     """Outputs of one request, in order, ending with the one marked `finished`."""
 
@@ -31,7 +41,8 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     def put_threadsafe(self, output: RequestOutput) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server stopped
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
@@ -42,11 +53,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_failure: Callable[[str], None] | None = None):
         self.engine = engine
+        self.error: str | None = None  # why the engine thread failed, if it did
+        self._on_failure = on_failure
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self._closed = False  # no command is accepted any more (guarded by _lock)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="symbiont-engine", daemon=True)
 
     def start(self) -> AsyncEngine:
@@ -58,6 +73,11 @@ class AsyncEngine:
         self._commands.put((lambda: None, Future()))  # wake the thread
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether requests can still be served (the thread runs and has not failed)."""
+        return self.error is None and not self._stopped.is_set() and self._thread.is_alive()
 
     # -- called from the event loop ---------------------------------------------------
 
@@ -75,7 +95,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (safe from any thread, never blocks: used on disconnect)."""
-        self._commands.put((lambda: self._abort(request_id), Future()))
+        with self._lock:
+            if not self._closed:
+                self._commands.put((lambda: self._abort(request_id), Future()))
 
     async def load_adapter(self, name: str, path: str) -> dict:
         weights = await asyncio.to_thread(self.engine.adapters.parse, path)  # file I/O off-thread
@@ -91,19 +113,58 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         future: Future = Future()
-        self._commands.put((fn, future))
+        with self._lock:
+            if self._closed or self._stopped.is_set():
+                raise EngineStopped(self._why_stopped())
+            self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
+
+    def _why_stopped(self) -> str:
+        if self.error:
+            return f"{self.error}; the server cannot serve requests any more and must restart"
+        return "the server is shutting down; retry on another replica or after it restarts"
 
     # -- the engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._run_commands(block=not self.engine.has_work())
-            if self.engine.has_work():
-                for output in self.engine.step():
-                    self._deliver(output)
+        try:
+            while not self._stopped.is_set():
+                self._run_commands(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    for output in self.engine.step():
+                        self._deliver(output)
+        except BaseException as err:  # noqa: BLE001 - recorded, every waiter told, then reported
+            self._fail(err)
+            return
+        self._close()
         for request_id in list(self._streams):
             self._abort(request_id)
+
+    def _fail(self, err: BaseException) -> None:
+        """The engine cannot go on: fail every request and command, then report."""
+        self.error = f"the engine failed ({type(err).__name__}: {err})"
+        log.critical("%s; failing every request", self.error, exc_info=err)
+        self._close()
+        for request_id, stream in list(self._streams.items()):
+            stream.put_threadsafe(RequestOutput(request_id, (), 0, 0, True, self.error))
+        self._streams.clear()
+        if self._on_failure is not None:
+            self._on_failure(self.error)
+
+    def _close(self) -> None:
+        """Refuse new commands; those already queued fail with EngineStopped (on failure)
+        or run (on a normal stop, so aborts still free their requests)."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if self.error:
+                future.set_exception(EngineStopped(self._why_stopped()))
+            else:
+                _settle(fn, future)
 
     def _run_commands(self, block: bool) -> None:
         try:

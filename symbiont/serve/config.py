@@ -1,8 +1,13 @@
-"""Configuration of the serving engine: one frozen, validated dataclass."""
+"""Configuration of `symbiont serve`: the engine's capacity (`EngineConfig`) and the
+server around it (`ServerConfig`); frozen, validated dataclasses whose fields are also the
+command's flags (help text in their metadata, read by `symbiont.cli.flags`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from symbiont.protocol.urls import is_loopback
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,14 +18,27 @@ class EngineConfig:
     costs memory up front, never on the hot path.
     """
 
-    max_running: int = 32  # sequences decoding or prefilling in one iteration
-    max_batched_tokens: int = 256  # tokens (decode + prefill chunks) in one iteration
-    max_queue: int = 256  # waiting requests beyond which new ones are refused (HTTP 429)
-    block_size: int = 16  # tokens per KV-cache block
-    num_blocks: int = 1024  # KV-cache blocks shared by all sequences
-    max_adapters: int = 32  # adapter slots resident at once (slot 0 = no adapter is extra)
-    max_lora_rank: int = 64  # LoRA ranks up to this are served; lower ranks are zero-padded
-    max_model_len: int | None = None  # prompt + output tokens; None = the model's limit
+    max_running: int = field(default=32, metadata={"help": "sequences generated at once"})
+    max_batched_tokens: int = field(
+        default=256, metadata={"help": "tokens per iteration (decode + prefill chunks)"}
+    )
+    max_queue: int = field(
+        default=256, metadata={"help": "waiting requests before new ones get HTTP 429"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    num_blocks: int = field(
+        default=1024, metadata={"help": "KV-cache blocks shared by all sequences"}
+    )
+    max_adapters: int = field(
+        default=32, metadata={"help": "adapters resident at once (no adapter is extra)"}
+    )
+    max_lora_rank: int = field(
+        default=64, metadata={"help": "largest LoRA rank served (lower ranks are zero-padded)"}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "prompt + output tokens per sequence (default: the model's limit)"},
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,3 +68,114 @@ class EngineConfig:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def parse_adapter(value: str) -> tuple[str, str]:
+    """'NAME=PATH' -> (NAME, PATH), the form of `--adapter`."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--adapter {value!r}: expected NAME=PATH, e.g. sql=runs/sql-lora")
+    return name, path
+
+
+parse_adapter.__name__ = "NAME=PATH"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server of `symbiont serve` around one engine.
+
+    A server on a non-loopback host needs `api_key` (clients send `Authorization: Bearer
+    KEY`) unless `allow_unauthenticated` says on purpose that anyone may use it. Clients
+    may load adapters by path (`POST /v1/adapters`) only from under `adapter_dir`; request
+    bodies over `max_request_bytes` are refused before they are read.
+    """
+
+    model: str = field(metadata={"help": "local Hugging Face checkpoint folder"})
+    adapters: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata={
+            "help": "PEFT adapter folder to load under NAME (repeatable)",
+            "flag": "--adapter",
+            "metavar": "NAME=PATH",
+            "type": parse_adapter,
+        },
+    )
+    executor: str | None = field(
+        default=None,
+        metadata={
+            "help": "URL of a base executor served elsewhere, e.g. tcp://127.0.0.1:7100 "
+            "(default: load the base in this process)",
+            "metavar": "URL",
+        },
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "interface to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on (0: any free port)"})
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "require `Authorization: Bearer KEY` on /v1/ routes", "metavar": "KEY"},
+    )
+    allow_unauthenticated: bool = field(
+        default=False,
+        metadata={
+            "help": "listen on a non-loopback --host without --api-key: anyone who reaches "
+            "it may use the server (only on a network you trust)"
+        },
+    )
+    max_request_bytes: int = field(
+        default=8 * 1024 * 1024,
+        metadata={"help": "largest request body in bytes; bigger ones get HTTP 413 unread"},
+    )
+    adapter_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "folder that POST /v1/adapters may load adapters from (paths are resolved, "
+            "symlinks followed, and must lie under it); without it, loads by path are refused",
+            "metavar": "DIR",
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "name of the base model in the API (default: the folder's name)"},
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "float32, bfloat16, float16 (default: the checkpoint's)"},
+    )
+    device: str = field(default="cpu", metadata={"help": "where the model runs (cpu, cuda)"})
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must be unique, got {names}")
+        if self.model_name in names:
+            raise ValueError(
+                f"an adapter may not be named like the base model ({self.model_name!r})"
+            )
+        if self.max_request_bytes < 1:
+            raise ValueError(
+                f"max_request_bytes must be >= 1, got {self.max_request_bytes}; the default "
+                "is 8388608 (8 MiB)"
+            )
+        if self.adapter_dir is not None and not Path(self.adapter_dir).is_dir():
+            raise ValueError(
+                f"--adapter-dir {self.adapter_dir!r} is not a folder; create it or pass the "
+                "folder that holds the adapters clients may load"
+            )
+        if not self.api_key and not self.allow_unauthenticated and not _loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable from other hosts: pass --api-key KEY so "
+                "that only clients presenting it are served, or --allow-unauthenticated to "
+                "serve anyone who reaches it"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+def _loopback(host: str) -> bool:
+    """Whether only this machine reaches `host` ("0.0.0.0" and host names do not count)."""
+    bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return is_loopback(f"tcp://{bracketed}:0")

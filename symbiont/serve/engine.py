@@ -1,10 +1,16 @@
 """The serving engine: continuous batching of many adapters over one client model.
 
-Each iteration flattens the scheduled tokens of every sequence (decode tokens and
-prefill chunks alike) into one `[1, n_tokens]` forward of the client model, so every
-base layer makes one executor call for the whole batch. Per-sequence attention comes
-from the paged KV cache (`attention.py`), per-token adapters from `AdapterLayer`s
-(`adapters.py`), both driven by one `StepContext` built here.
+A thin coordinator, nano-vllm style: each `step` asks the `Scheduler` what runs, the
+`ModelRunner` flattens it into one `[1, n_tokens]` forward (so every base layer makes
+one executor call for the whole batch) and returns the logits of the sampling rows (and
+of the prompt rows of requests that asked for prompt log-probabilities),
+`symbiont.decoding.sample` picks the tokens, `symbiont.decoding.token_logprobs` scores
+them where asked, and the `OutputProcessor` applies the stop rule and produces text
+deltas. A failure in one step fails that step's requests; the engine goes on.
+
+Log-probabilities are the log-softmax of the raw logits (before temperature, top-k,
+top-p), as vLLM returns by default. A request with `max_tokens` 0 (and
+`prompt_logprobs`) ends as soon as its prompt is scored, with finish reason "length".
 
 `Engine` is synchronous and single-threaded: `add_request`, `step`, `abort`,
 `load_adapter`, `unload_adapter` must be called from one thread (`AsyncEngine` owns
@@ -15,29 +21,28 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from symbiont.generation import held_back
-from symbiont.serve.adapters import AdapterRegistry, AdapterWeights, adapter_batch
-from symbiont.serve.attention import register_attention
-from symbiont.serve.config import EngineConfig
-from symbiont.serve.context import AttnGroup, StepContext, use_context
-from symbiont.serve.kv_cache import PagedKVCache
-from symbiont.serve.sampler import sample
-from symbiont.serve.scheduler import ScheduledSeq, Scheduler
-from symbiont.serve.sequence import (
-    FinishReason,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    SeqDelta,
-    Sequence,
+from symbiont.decoding import (
+    TextTracker,
+    TokenLogprob,
+    eos_token_ids,
+    make_generator,
+    sample,
+    token_logprobs,
 )
+from symbiont.serve.adapters import AdapterRegistry, AdapterWeights
+from symbiont.serve.config import EngineConfig
+from symbiont.serve.kv_cache import PagedKVCache
+from symbiont.serve.model_runner import ModelRunner, StepLogits
+from symbiont.serve.output import EngineObserver, OutputProcessor, request_output
+from symbiont.serve.scheduler import ScheduledSeq, Scheduler
+from symbiont.serve.sequence import FinishReason, Request, RequestOutput, SamplingParams, Sequence
+
+__all__ = ["Engine", "EngineObserver", "RequestError"]
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +55,6 @@ class RequestError(ValueError):
         self.param = param
 
 
-class EngineObserver:
-    """Receives timing events (the Prometheus metrics implement it); no-op by default."""
-
-    def on_first_token(self, seconds: float) -> None: ...
-
-    def on_inter_token(self, seconds: float) -> None: ...
-
-    def on_tokens(self, n: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    ids: torch.Tensor  # [n_tokens] token ids
-    positions: torch.Tensor  # [n_tokens] position of each token in its sequence
-    sample_rows: torch.Tensor  # [n_samples] flat index of the last token of each sampling sequence
-    ctx: StepContext
-
-
 class Engine:
     def __init__(
         self,
@@ -77,17 +64,16 @@ class Engine:
         observer: EngineObserver | None = None,
     ):
         self.config = config or EngineConfig()
-        self.model = model.eval()
-        self.model.set_attn_implementation(register_attention())
         self.tokenizer = tokenizer
-        self.observer = observer or EngineObserver()
-        self.device = model.get_input_embeddings().weight.device
+        device = model.get_input_embeddings().weight.device
         self.max_model_len = self._max_model_len(model)
-        self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, self.device)
+        self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, device)
         self.adapters = AdapterRegistry(model, self.config)
+        self.runner = ModelRunner(model, self.kv_cache, self.adapters)
         self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
+        eos = eos_token_ids(model, tokenizer)
+        self.output = OutputProcessor(eos, self.max_model_len, observer or EngineObserver())
         self.requests: dict[str, Request] = {}
-        self.eos_ids = _eos_ids(model)
 
     @classmethod
     def from_pretrained(
@@ -102,22 +88,29 @@ class Engine:
     ) -> Engine:
         """An engine on the checkpoint at `path`; base layers run on `executor`
         (default: an in-process `BaseExecutor` of the same checkpoint)."""
-        from transformers import AutoTokenizer
+        from symbiont.tenant import open_client, open_executor
 
-        from symbiont import BaseExecutor, load_client
-
-        executor = executor or BaseExecutor.from_pretrained(path, device=device, dtype=dtype)
-        model = load_client(path, executor, device=device, dtype=dtype)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as err:
-            log.warning("no tokenizer in %s (%s); only token-id prompts are accepted", path, err)
-            tokenizer = None
+        executor = executor or open_executor(path, device=device, dtype=dtype)
+        model, tokenizer = open_client(
+            path, executor, device=device, dtype=dtype, need_tokenizer=False
+        )
         return cls(model, config, tokenizer, observer)
 
     def _max_model_len(self, model) -> int:
         limit = self.config.max_model_len or getattr(model.config, "max_position_embeddings", None)
         return min(limit or self.config.kv_capacity_tokens, self.config.kv_capacity_tokens)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.runner.model
+
+    @property
+    def observer(self) -> EngineObserver:
+        return self.output.observer
+
+    @observer.setter
+    def observer(self, observer: EngineObserver) -> None:
+        self.output.observer = observer
 
     # -- adapters ---------------------------------------------------------------------
 
@@ -138,6 +131,7 @@ class Engine:
         self._validate(request)
         slot = self.adapters.acquire(request.adapter) if request.adapter else 0
         request.sequences = [self._sequence(request, i, slot) for i in range(request.params.n)]
+        request.prompt_logprobs = None if request.params.prompt_logprobs is None else [None]
         try:
             self.scheduler.add(request.sequences)
         except Exception:
@@ -149,7 +143,7 @@ class Engine:
         prompt, params = request.prompt_ids, request.params
         if not prompt:
             raise RequestError("the prompt is empty; send at least one token", "prompt")
-        vocab = self.model.get_input_embeddings().weight.shape[0]
+        vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         total = len(prompt) + params.max_tokens
@@ -168,23 +162,19 @@ class Engine:
             )
 
     def _sequence(self, request: Request, index: int, slot: int) -> Sequence:
-        params = request.params
-        generator = None
-        if not params.greedy:
-            seed = params.seed + index if params.seed is not None else random.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
-        prompt = list(request.prompt_ids)
-        return Sequence(request.request_id, index, len(prompt), prompt, params, slot, generator)
+        params, prompt = request.params, list(request.prompt_ids)
+        text = TextTracker(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        generator = make_generator(params, index)
+        return Sequence(
+            request.request_id, index, len(prompt), prompt, params, slot, generator, text
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; None if it already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        for seq in request.sequences:
-            if not seq.finished:
-                seq.finish_reason = FinishReason.ABORT
-                self.scheduler.finish(seq)
+        self._finish_all(request, FinishReason.ABORT)
         return self._retire(request)
 
     def has_work(self) -> bool:
@@ -197,181 +187,87 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        sampling = [item.seq for item in scheduled if item.samples]
         try:
-            logits = self._forward(self._prepare(scheduled))  # [n_samples, vocab]
+            logits = self.runner.run(scheduled)
+            tokens = sample(
+                logits.sampling, [s.params for s in sampling], [s.generator for s in sampling]
+            )
+            logprobs = _sampled_logprobs(logits.sampling, sampling, tokens)
+            self._score_prompts(logits)
         except Exception as err:  # noqa: BLE001 - the batch's requests fail, the server goes on
             log.exception("iteration failed")
             return self._fail_all({s.seq.request_id for s in scheduled}, f"iteration failed: {err}")
-        return self._advance(scheduled, logits)
+        scored = [item.seq for item in scheduled if item.reaches_end and not item.samples]
+        return self._advance(scheduled, sampling, tokens, logprobs, scored)
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
-        with torch.inference_mode(), use_context(batch.ctx):
-            out = self.model(
-                input_ids=batch.ids[None],
-                position_ids=batch.positions[None],
-                use_cache=False,
-                logits_to_keep=batch.sample_rows,
-            )
-        return out.logits[0]
+    def _score_prompts(self, logits: StepLogits) -> None:
+        """Append the log-probabilities of the prompt tokens this iteration's chunks
+        predict to their requests (one batched log-softmax for all of them)."""
+        if not logits.prompt:
+            return
+        targets, top_n = [], []
+        for item, _ in logits.prompt:
+            n = item.seq.params.prompt_logprobs
+            targets += [item.seq.token_ids[p + 1] for p in item.prompt_rows]
+            top_n += [n] * len(item.prompt_rows)
+        rows = torch.cat([rows for _, rows in logits.prompt])  # [n_rows, vocab]
+        scores = iter(token_logprobs(rows, targets, top_n))
+        for item, _ in logits.prompt:
+            request = self.requests[item.seq.request_id]
+            request.prompt_logprobs += [next(scores) for _ in item.prompt_rows]
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> _Batch:
-        ids, positions, slots, token_slots, sample_rows = [], [], [], [], []
-        for item in scheduled:
-            seq, start, stop = item.seq, item.start, item.start + item.n_tokens
-            ids += seq.token_ids[start:stop]
-            positions += range(start, stop)
-            slots += self.kv_cache.slots(seq.blocks, start, stop)
-            token_slots += [seq.adapter_slot] * item.n_tokens
-            if item.samples:
-                sample_rows.append(len(ids) - 1)
-        decode = [item for item in scheduled if item.n_tokens == 1]
-        prefill = [item for item in scheduled if item.n_tokens > 1]
-        offsets = _offsets(scheduled)
-        groups = tuple(self._attn_group(g, offsets) for g in (decode, prefill) if g)
-        ctx = StepContext(
-            kv_cache=self.kv_cache,
-            slot_mapping=self._tensor(slots),
-            attn_groups=groups,
-            adapters=adapter_batch(self._tensor(token_slots), self.adapters),
-        )
-        return _Batch(self._tensor(ids), self._tensor(positions), self._tensor(sample_rows), ctx)
-
-    def _attn_group(self, items: list[ScheduledSeq], offsets: dict[int, int]) -> AttnGroup:
-        max_q = max(item.n_tokens for item in items)
-        q_index = torch.zeros(len(items), max_q, dtype=torch.long)
-        q_valid = torch.zeros(len(items), max_q, dtype=torch.bool)
-        q_pos = torch.zeros(len(items), max_q, dtype=torch.long)
-        for row, item in enumerate(items):
-            n, first = item.n_tokens, offsets[id(item)]
-            q_index[row, :n] = torch.arange(first, first + n)
-            q_valid[row, :n] = True
-            q_pos[row, :n] = torch.arange(item.start, item.start + n)
-        kv_len = torch.tensor([item.start + item.n_tokens for item in items])
-        kv_slots = self._kv_slots(items, int(kv_len.max()))
-        q_valid = q_valid.flatten()
-        return AttnGroup(
-            q_index=q_index.to(self.device),
-            q_valid=q_valid.to(self.device),
-            q_tokens=q_index.flatten()[q_valid].to(self.device),
-            kv_slots=kv_slots,
-            q_pos=q_pos.to(self.device),
-            kv_len=kv_len.to(self.device),
-        )
-
-    def _kv_slots(self, items: list[ScheduledSeq], max_kv: int) -> torch.Tensor:
-        """-> [n_seqs, max_kv] cache slot of every context position (padding -> block 0)."""
-        size = self.config.block_size
-        n_blocks = self.kv_cache.blocks_for(max_kv)
-        table = torch.zeros(len(items), n_blocks, dtype=torch.long)
-        for row, item in enumerate(items):
-            used = item.seq.blocks[: min(n_blocks, len(item.seq.blocks))]
-            table[row, : len(used)] = torch.tensor(used)
-        pos = torch.arange(max_kv)
-        slots = table[:, pos // size] * size + pos % size  # [n_seqs, max_kv]
-        return slots.to(self.device)
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    # -- after the forward ------------------------------------------------------------
-
-    def _advance(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
-        sampling = [item.seq for item in scheduled if item.samples]
+    def _advance(
+        self,
+        scheduled: list[ScheduledSeq],
+        sampling: list[Sequence],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        scored: list[Sequence],
+    ) -> list[RequestOutput]:
+        """`scored`: prompt-only sequences (max_tokens 0) whose prompt is now scored."""
         for item in scheduled:
             item.seq.num_computed += item.n_tokens
-        tokens = sample(logits, sampling)
-        now = time.monotonic()
-        new: dict[str, list[tuple[Sequence, int]]] = {}
-        for seq, token in zip(sampling, tokens, strict=True):
-            new.setdefault(seq.request_id, []).append((seq, token))
+        produced: dict[str, list[tuple[Sequence, int | None, TokenLogprob | None]]] = {}
+        for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            produced.setdefault(seq.request_id, []).append((seq, token, logprob))
+        for seq in scored:
+            produced.setdefault(seq.request_id, []).append((seq, None, None))
         outputs = []
-        for request_id, produced in new.items():
+        for request_id, items in produced.items():
             request = self.requests[request_id]
             try:
-                outputs.append(self._append(request, produced, now))
+                deltas = self.output.append(request, items, self.scheduler.finish)
             except Exception as err:  # noqa: BLE001 - one request's failure stays its own
                 log.exception("request %s failed", request_id)
                 outputs.append(self._fail(request, f"request failed: {err}"))
-        self.observer.on_tokens(len(tokens))
+                continue
+            done = request.finished
+            outputs.append(
+                self._retire(request, deltas) if done else request_output(request, deltas, False)
+            )
+        self.output.observer.on_tokens(len(tokens))
         return outputs
 
-    def _append(self, request: Request, produced, now: float) -> RequestOutput:
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.observer.on_first_token(now - request.arrival)
-        deltas = []
-        for seq, token in produced:
-            if seq.last_token_time is not None:
-                self.observer.on_inter_token(now - seq.last_token_time)
-            seq.last_token_time = now
-            seq.token_ids.append(token)
-            seq.finish_reason = self._finish_reason(seq, token)
-            text = self._detokenize(seq)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            deltas.append(SeqDelta(seq.index, (token,), text, seq.finish_reason))
-        if request.finished:
-            return self._retire(request, tuple(deltas))
-        return self._output(request, tuple(deltas))
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _detokenize(self, seq: Sequence) -> str:
-        """Update seq.text; return the newly safe text (stop strings held back until known)."""
-        if self.tokenizer is None:
-            return ""
-        ids = seq.output_ids
-        if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in self._stop_ids(seq):
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        stops = seq.params.stop
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-            if seq.finish_reason is None:
-                seq.finish_reason = FinishReason.STOP
-        seq.text = text
-        safe = len(text) if seq.finish_reason else len(text) - held_back(text, stops)
-        delta = text[seq.sent_chars : max(safe, seq.sent_chars)]
-        seq.sent_chars = max(safe, seq.sent_chars)
-        return delta
-
-    def _stop_ids(self, seq: Sequence) -> set[int]:
-        return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
-
-    def _output(self, request: Request, deltas: tuple[SeqDelta, ...], finished=False):
-        completion = sum(len(s.output_ids) for s in request.sequences)
-        return RequestOutput(
-            request.request_id,
-            deltas,
-            len(request.prompt_ids),
-            completion,
-            finished,
-            request.error,
-        )
-
-    def _retire(self, request: Request, deltas: tuple[SeqDelta, ...] = ()) -> RequestOutput:
+    def _retire(self, request: Request, deltas=()) -> RequestOutput:
         """A finished request leaves the engine and gives its adapter slot back."""
         self.requests.pop(request.request_id, None)
         self._release(request.sequences[0].adapter_slot if request.sequences else 0)
-        return self._output(request, deltas, finished=True)
+        return request_output(request, tuple(deltas), finished=True)
 
     def _release(self, slot: int) -> None:
         if slot:
             self.adapters.release(slot)
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        request.error = message
+    def _finish_all(self, request: Request, reason: FinishReason) -> None:
         for seq in request.sequences:
             if not seq.finished:
-                seq.finish_reason = FinishReason.ERROR
+                seq.finish_reason = reason
                 self.scheduler.finish(seq)
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        request.error = message
+        self._finish_all(request, FinishReason.ERROR)
         return self._retire(request)
 
     def _fail_all(self, request_ids: set[str], message: str) -> list[RequestOutput]:
@@ -402,19 +298,18 @@ class Engine:
         return [r.sequences[0].output_ids for r in requests]
 
 
-def _offsets(scheduled: list[ScheduledSeq]) -> dict[int, int]:
-    """id(item) -> flat index of the item's first token this iteration."""
-    offsets, total = {}, 0
-    for item in scheduled:
-        offsets[id(item)] = total
-        total += item.n_tokens
-    return offsets
-
-
-def _eos_ids(model: PreTrainedModel) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list | tuple) else {int(eos)}
+def _sampled_logprobs(
+    logits: torch.Tensor, sampling: list[Sequence], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """The log-probability of each sampled token whose request asked for it (else None).
+    logits [n_samples, vocab], raw."""
+    rows = [i for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(sampling)
+    if rows:
+        picked = logits[torch.tensor(rows, device=logits.device)]
+        top_n = [sampling[i].params.logprobs for i in rows]
+        for i, scored in zip(
+            rows, token_logprobs(picked, [tokens[i] for i in rows], top_n), strict=True
+        ):
+            out[i] = scored
+    return out

@@ -30,9 +30,24 @@ class ScheduledSeq:
         return self.seq.num_computed
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+    def reaches_end(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's tokens."""
         return self.seq.num_computed + self.n_tokens == len(self.seq.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """Whether a token is sampled after this chunk (not for a prompt-only request,
+        `max_tokens` 0, which ends once its prompt is scored)."""
+        return self.reaches_end and self.seq.params.max_tokens > 0
+
+    @property
+    def prompt_rows(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token: only for
+        choice 0 of a request that asked for prompt log-probabilities."""
+        seq = self.seq
+        if seq.index != 0 or seq.params.prompt_logprobs is None:
+            return range(0)
+        return range(self.start, min(self.start + self.n_tokens, seq.prompt_len - 1))
 
 
 class Scheduler:

@@ -1,4 +1,8 @@
-"""Typed requests, sequences and outputs that flow through the engine."""
+"""Typed requests, sequences and outputs that flow through the engine.
+
+Sampling parameters and finish reasons are the ones every decoding path shares
+(`symbiont.decoding`); they are re-exported here for the engine's users.
+"""
 
 from __future__ import annotations
 
@@ -8,46 +12,24 @@ from enum import StrEnum
 
 import torch
 
+from symbiont.decoding import FinishReason, SamplingParams, TextTracker, TokenLogprob
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request samples; temperature 0 means greedy (argmax)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "SeqDelta",
+    "SeqStatus",
+    "Sequence",
+    "TokenLogprob",
+]
 
 
 class SeqStatus(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens or the context length reached
-    ABORT = "abort"  # cancelled or client disconnected
-    ERROR = "error"  # failed; the request's error says why
 
 
 @dataclass(eq=False)
@@ -60,13 +42,12 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     params: SamplingParams
     adapter_slot: int  # 0 = base model, no adapter
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # None when greedy
+    text: TextTracker | None = None  # None without a tokenizer (token ids only)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose keys/values are in the KV cache
     blocks: list[int] = field(default_factory=list)  # KV block table
     finish_reason: FinishReason | None = None
-    text: str = ""  # detokenized output, stop string removed
-    sent_chars: int = 0  # text already delivered to the client
     last_token_time: float | None = None
 
     @property
@@ -95,10 +76,20 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     error: str | None = None
     first_token_time: float | None = None
+    # with params.prompt_logprobs: one entry per prompt token (None for the first, which
+    # nothing predicts), filled chunk by chunk as choice 0 prefills
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return bool(self.sequences) and all(s.finished for s in self.sequences)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Whether every prompt token asked for has its log-probability."""
+        scores = self.prompt_logprobs
+        return scores is not None and len(scores) == len(self.prompt_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +100,7 @@ class SeqDelta:
     token_ids: tuple[int, ...]  # tokens generated this iteration
     text: str  # text newly safe to show (stop strings are held back until resolved)
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +113,5 @@ class RequestOutput:
     completion_tokens: int
     finished: bool
     error: str | None = None
+    # once, in the output of the iteration that scored the prompt's last token
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -3,7 +3,7 @@
 An output folder looks like::
 
     out/
-      adapter_config.json          final adapter (standard PEFT folder at the root)
+      adapter config + weights     final adapter (standard PEFT folder at the root)
       adapter_model.safetensors
       metrics.jsonl
       checkpoint-000100/           adapter + optimizer + scheduler + RNG + step
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -25,12 +26,16 @@ from pathlib import Path
 
 import torch
 from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
+
+from symbiont.adapters.names import CONFIG_FILE, WEIGHTS_FILE
+from symbiont.adapters.spec import read_adapter
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = ".staging-"
 STATE_FILE = "trainer_state.json"
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # config last marks done
+# Non-tensor state is JSON: nothing in a run folder is unpickled (a planted file could run code).
+SCHEDULER_FILE = "scheduler.json"
+ADAPTER_FILES = (WEIGHTS_FILE, CONFIG_FILE)  # config last marks done
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def save_checkpoint(model, optimizer, scheduler, state: TrainState, out: Path, k
     with _staging(out) as staging:
         model.save_pretrained(staging)
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        _write_json(staging / SCHEDULER_FILE, _scheduler_record(scheduler))
         torch.save(torch.get_rng_state(), staging / "rng.pt")
         _write_json(staging / STATE_FILE, asdict(state))
         _fsync_tree(staging)
@@ -79,15 +84,45 @@ def save_checkpoint(model, optimizer, scheduler, state: TrainState, out: Path, k
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> TrainState:
     """Restore adapter weights, optimizer, scheduler and RNG; return the saved state."""
-    weights = load_file(str(path / "adapter_model.safetensors"))
+    weights = read_adapter(path).load_tensors()
     result = set_peft_model_state_dict(model, weights)
     missing = [k for k in getattr(result, "unexpected_keys", []) if k]
     if missing:
         raise RuntimeError(f"{path}: adapter has tensors this model lacks: {missing[:5]}")
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    scheduler.load_state_dict(_read_scheduler(path))
     torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return TrainState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+
+
+def _scheduler_record(scheduler) -> dict:
+    """The LR scheduler's state as plain JSON values (transformers' schedules hold only
+    numbers; a callable that is not a plain function would not survive, so refuse it)."""
+    state = scheduler.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except TypeError as err:
+        raise TypeError(
+            f"cannot checkpoint the LR scheduler {type(scheduler).__name__}: its state is not "
+            f"plain numbers ({err}); use one of transformers' schedules"
+        ) from err
+
+
+def _read_scheduler(path: Path) -> dict:
+    file = path / SCHEDULER_FILE
+    if file.is_file():
+        return json.loads(file.read_text(encoding="utf-8"))
+    legacy = path / "scheduler.pt"  # checkpoints written before scheduler.json
+    try:
+        return torch.load(legacy, weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: checkpoint has no {SCHEDULER_FILE}; it is incomplete") from None
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{legacy} holds objects other than plain numbers and tensors; symbiont does not "
+            f"unpickle them (a planted file could run code). Delete {path} to resume from an "
+            "earlier checkpoint"
+        ) from err
 
 
 def publish_adapter(model, out: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
 
@@ -13,23 +13,43 @@ RESUMABLE_CHANGES = frozenset({"eval_every", "save_every", "save_total_limit", "
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. Length is `max_steps` optimizer steps if > 0, else `epochs` epochs."""
+    """How to train. Length is `max_steps` optimizer steps if > 0, else `epochs` epochs.
 
-    max_steps: int = 0
-    epochs: int = 1
-    batch_size: int = 2
-    grad_accum: int = 1
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "linear"
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    max_length: int = 512
-    seed: int = 0
-    eval_every: int = 0  # optimizer steps between eval losses; 0: only at the end
-    save_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
-    save_total_limit: int = 2  # checkpoints kept (oldest deleted first); 0 keeps all
-    log_every: int = 1  # optimizer steps between metrics records
+    Each field is also a flag of `symbiont finetune` (help text in its metadata)."""
+
+    max_steps: int = field(
+        default=0, metadata={"help": "optimizer steps to run; 0 runs --epochs epochs"}
+    )
+    epochs: int = field(default=1, metadata={"help": "epochs when --max-steps is 0"})
+    batch_size: int = field(default=2, metadata={"help": "examples per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    schedule: str = field(
+        default="linear",
+        metadata={"help": "learning-rate schedule after warm-up", "choices": SCHEDULES},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "clip the gradient norm to this (0 disables clipping)"}
+    )
+    max_length: int = field(default=512, metadata={"help": "truncate examples to this many tokens"})
+    seed: int = field(default=0, metadata={"help": "seed for adapter init and data order"})
+    eval_every: int = field(
+        default=0,
+        metadata={"help": "optimizer steps between eval losses (0: only at the end)"},
+    )
+    save_every: int = field(
+        default=0,
+        metadata={"help": "optimizer steps between checkpoints (0: only at the end)"},
+    )
+    save_total_limit: int = field(
+        default=2,
+        metadata={"help": "checkpoints kept, oldest deleted first (0 keeps all)"},
+    )
+    log_every: int = field(
+        default=1, metadata={"help": "optimizer steps between records in metrics.jsonl"}
+    )
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "grad_accum", "max_length", "log_every")

@@ -1,0 +1,205 @@
+"""Configuration of the executor service and of its batching policy."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from symbiont.protocol.urls import check_url, is_loopback
+
+
+class PolicyKind(StrEnum):
+    OPPORTUNISTIC = "opportunistic"  # per-call wait that grows with its size, capped
+    LOCKSTEP = "lockstep"  # a layer runs once every active client has a call for it
+    NO_LOCKSTEP = "no-lockstep"  # every call runs alone, first come first served
+
+
+@dataclass(frozen=True)
+class BatchingPolicy:
+    """When a layer's queue runs (Symbiosis 3.7).
+
+    Opportunistic: a call of n tokens is willing to wait `min(max_wait_s, n *
+    wait_per_token_s)` for other clients' calls of the same layer to join it; a queue
+    runs when its most impatient call's wait is over, when it holds `max_batch_tokens`,
+    or at once when no other client is expected to add work before then (arrival-aware:
+    the scheduler learns each client's call sequence and pace, see `Scheduler`; with
+    every active client queued, the queue runs). So a one-token decode call waits microseconds,
+    a fine-tuning call of thousands of tokens waits up to `max_wait_s`, and no call waits
+    longer than `max_wait_s` for batching.
+    """
+
+    kind: PolicyKind = field(
+        default=PolicyKind.OPPORTUNISTIC, metadata={"help": "batching policy", "flag": "--policy"}
+    )
+    max_wait_s: float = field(
+        default=0.005,
+        metadata={
+            "help": "cap on any call's batching wait (ms)",
+            "flag": "--max-wait-ms",
+            "scale": 1e-3,
+        },
+    )
+    wait_per_token_s: float = field(
+        default=20e-6,
+        metadata={
+            "help": "batching wait a call may spend per token it carries (µs)",
+            "flag": "--wait-per-token-us",
+            "scale": 1e-6,
+        },
+    )
+    max_batch_tokens: int = field(
+        default=8192, metadata={"help": "a layer's queue runs once it holds this many tokens"}
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", PolicyKind(self.kind))
+        if self.max_wait_s < 0 or self.wait_per_token_s < 0:
+            raise ValueError("BatchingPolicy waits must be >= 0 seconds")
+        if self.max_batch_tokens < 1:
+            raise ValueError("BatchingPolicy.max_batch_tokens must be >= 1")
+
+    def wait_for(self, tokens: int) -> float:
+        """How long a call of `tokens` tokens may wait for company, in seconds."""
+        return min(self.max_wait_s, tokens * self.wait_per_token_s)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How `serve-base` listens and schedules.
+
+    bind: endpoints to listen on (tcp://HOST:PORT, tcp://HOST:* for any free port,
+    ipc:///path). Any endpoint that is not loopback needs `token`, which clients present
+    in their handshake. spin_us: how long the loop keeps polling shared memory after
+    the last call before it sleeps on the socket (the shared-memory fast path).
+    host_cores: cores that the executor and its same-host clients share, which decides
+    whether spinning pays (default: the cores this process may run on; pass the host's
+    when the executor is pinned to a few of them).
+    """
+
+    bind: tuple[str, ...] = field(
+        default=("tcp://127.0.0.1:7100",),
+        metadata={
+            "help": "endpoint to listen on, repeatable: tcp://HOST:PORT (tcp://127.0.0.1:* picks a "
+            "free port) or ipc:///path. Any non-loopback address needs --token",
+            "metavar": "URL",
+        },
+    )
+    token: str | None = field(
+        default=None,
+        metadata={"help": "shared secret clients must present", "env": "SYMBIONT_TOKEN"},
+    )
+    allow_unauthenticated: bool = field(
+        default=False,
+        metadata={
+            "help": "serve a non-loopback address without --token: anyone who reaches it may use "
+            "the base (only on a network you trust)"
+        },
+    )
+    policy: BatchingPolicy = field(default_factory=BatchingPolicy)
+    max_call_bytes: int = field(
+        default=1 << 30,
+        metadata={"help": "largest call accepted (MiB)", "flag": "--max-call-mb", "scale": 2**20},
+    )
+    session_timeout_s: float = 600.0
+    max_sessions: int = field(
+        default=256, metadata={"help": "clients served at once; a HELLO beyond is refused"}
+    )
+    new_session_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds a session that has made no call yet is kept"},
+    )
+    spin_us: float = field(
+        default=2000.0, metadata={"help": "shared-memory spin window after the last call (µs)"}
+    )
+    allow_shm: bool = field(
+        default=True, metadata={"help": "refuse shared-memory clients", "flag": "--no-shm"}
+    )
+    host_cores: int | None = None
+
+    def __post_init__(self):
+        if not self.bind:
+            raise ValueError("ServiceConfig.bind needs at least one endpoint")
+        for url in self.bind:
+            check_url(url)
+        exposed = [url for url in self.bind if not is_loopback(url)]
+        if exposed and not self.token and not self.allow_unauthenticated:
+            raise ValueError(
+                f"{', '.join(exposed)} is reachable from other hosts: pass --token (or set "
+                "SYMBIONT_TOKEN) so that only clients presenting it are served, or "
+                "--allow-unauthenticated to serve anyone who reaches it"
+            )
+        if self.max_call_bytes < 1:
+            raise ValueError("ServiceConfig.max_call_bytes must be positive")
+        if self.max_sessions < 1 or self.new_session_timeout_s <= 0:
+            raise ValueError(
+                "ServiceConfig.max_sessions must be >= 1 and new_session_timeout_s > 0 seconds"
+            )
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6}, checked against the cores this process may use."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("pinning to cores needs Linux; leave out --cpus")
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"{text!r}: use core numbers like 0 or 0-3 or 0,2") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        cores = ",".join(map(str, sorted(allowed)))
+        raise ValueError(f"{text!r}: this machine lets us use cores {cores}; pick among those")
+    return frozenset(cpus)
+
+
+parse_cpus.__name__ = "core list"  # argparse: "invalid core list value: ..."
+
+
+@dataclass(frozen=True)
+class BaseProcessConfig:
+    """What the `serve-base` process loads and where it runs (its service is `ServiceConfig`).
+
+    threads: torch threads for the matmuls (default: one per core of `cpus`, else torch's
+    choice). ready_file and parent_pid serve supervisors (`symbiont.processes`).
+    """
+
+    model: str = field(metadata={"help": "local checkpoint folder of the base", "metavar": "DIR"})
+    device: str = field(default="cpu", metadata={"help": "where the base weights live (cpu, cuda)"})
+    dtype: str | None = field(
+        default=None, metadata={"help": "base dtype (default: the checkpoint's)"}
+    )
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch threads for the matmuls (default: one per core in --cpus, else "
+            "torch's choice)"
+        },
+    )
+    cpus: frozenset[int] | None = field(
+        default=None,
+        metadata={
+            "help": "run on these cores only, e.g. 0 or 0-3 or 0,2: dedicates them to the base "
+            "so clients on the other cores do not slow it (and it does not slow them)",
+            "metavar": "LIST",
+            "type": parse_cpus,
+        },
+    )
+    ready_file: Path | None = field(
+        default=None,
+        metadata={"help": "write {endpoints, pid} as JSON here once listening", "type": Path},
+    )
+    parent_pid: int | None = field(
+        default=None, metadata={"help": "exit when this process is gone (for supervisors, tests)"}
+    )
+
+    def __post_init__(self):
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.threads or (len(self.cpus) if self.cpus else None)

@@ -1,0 +1,90 @@
+"""The serve-base process: load the frozen weights once, listen, serve until stopped.
+
+`symbiont serve-base` parses its flags into the two configs and calls `serve()`; the
+process pins itself to its cores first (so every thread it starts inherits the mask),
+writes a ready file for supervisors, and stops on SIGINT/SIGTERM or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from symbiont.base.config import BaseProcessConfig, ServiceConfig
+
+log = logging.getLogger("symbiont.base")
+
+
+def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
+    """Serve the base checkpoint in folder `model` as `process` and `config` say."""
+    import torch
+
+    from symbiont.base.executor import BaseExecutor
+    from symbiont.base.server import ExecutorServer
+
+    if process.cpus:
+        _pin(process.cpus)
+    if process.num_threads:
+        torch.set_num_threads(process.num_threads)
+    executor = BaseExecutor.from_pretrained(model, device=process.device, dtype=process.dtype)
+    server = ExecutorServer(executor, config)
+    endpoints = server.bind()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.stop())
+    log.info(
+        "serving %s (%d layers, %s, fingerprint %s) on %s, policy %s%s",
+        model,
+        len(executor.manifest.layers),
+        executor.manifest.dtype,
+        executor.manifest.fingerprint,
+        ", ".join(endpoints),
+        config.policy.kind,
+        ", token required" if config.token else "",
+    )
+    if not config.token and config.allow_unauthenticated:
+        log.warning("no token: any client that reaches %s may use this base", endpoints)
+    if process.parent_pid:
+        _exit_with(process.parent_pid, server)
+    if process.ready_file:
+        _write_ready(process.ready_file, endpoints)
+    server.serve_forever()
+    log.info("stopped")
+    return 0
+
+
+def _write_ready(path: Path, endpoints: list[str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"endpoints": endpoints, "pid": os.getpid()}))
+    tmp.replace(path)  # atomically: a supervisor never reads half of it
+
+
+def _pin(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus`; threads started later inherit the mask."""
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(tid, cpus)
+
+
+def _exit_with(pid: int, server) -> None:
+    """Stop `server` once process `pid` has exited."""
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.info("parent process %d is gone: stopping", pid)
+                server.stop()
+                return
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

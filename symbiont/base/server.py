@@ -1,0 +1,575 @@
+"""The executor service: one BaseExecutor served to many clients over ZeroMQ and shared memory.
+
+One thread runs one loop: take every message waiting on the ROUTER socket, take every
+call posted in a client's shared-memory segment, then let the scheduler pick a layer
+to run, run it (one matmul per direction over the concatenated tokens) and answer each
+caller. While calls keep coming the loop spins on shared memory instead of sleeping on
+the socket, so a same-host call costs no system call on either side.
+
+Nothing a client sends can stop the loop: a malformed message, a wrong shape or dtype,
+an unknown layer or an oversized call is answered with an ERROR to that client only; a
+client that vanishes is answered into the void (ZeroMQ drops the reply) and its session
+and shared memory are freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from symbiont.base.config import ServiceConfig
+from symbiont.base.executor import BaseExecutor
+from symbiont.base.scheduler import Call as QueuedCall
+from symbiont.base.scheduler import Scheduler, Session
+from symbiont.base.stats import Stats as Counters
+from symbiont.protocol import shm
+from symbiont.protocol.executor import Op, validate_call
+from symbiont.protocol.messages import MAX_MESSAGE
+from symbiont.protocol.wire import (
+    DTYPES,
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    Attach,
+    Bye,
+    Call,
+    Code,
+    Data,
+    Error,
+    Hello,
+    Ok,
+    ProtocolError,
+    Result,
+    Ring,
+    Stats,
+    StatsReply,
+    Welcome,
+    decode,
+    encode,
+    legacy_error,
+    tensor_bytes,
+    tensor_from,
+)
+
+log = logging.getLogger("symbiont.base")
+
+HOUSEKEEPING_S = 1.0
+# Limits against clients that hold state without using it (ServiceConfig fields to come):
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum operators cost µs
+SLEEP_RECHECK_MS = 20  # bounds the (tiny) race between "server asleep" and a client's post
+MAX_DRAIN = 256  # messages taken per loop turn, so shared-memory clients are not starved
+
+
+class ExecutorServer:
+    """Serves `executor` on the endpoints of `config` until `stop()` (or a signal)."""
+
+    def __init__(self, executor: BaseExecutor, config: ServiceConfig):
+        self.executor = executor
+        self.config = config
+        self.manifest = executor.manifest
+        self.sessions: dict[bytes, Session] = {}
+        self.scheduler = Scheduler(config.policy, self.sessions, len(self.manifest.layers))
+        self.stats = Counters([spec.name for spec in self.manifest.layers])
+        self.widths = [(s.in_features, s.out_features) for s in self.manifest.layers]
+        self.endpoints: list[str] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._stopping = False
+        self._last_busy = 0.0
+        self._next_housekeeping = 0.0
+        self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
+        self._spin_ok = True
+        self._on_cpu = executor.device.type == "cpu"
+        self._cores = config.host_cores or shm.cores()
+        self._welcome = self.manifest.to_dict()
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def bind(self) -> list[str]:
+        """Bind every endpoint; returns them as bound (with the port chosen for `:*`)."""
+        sock = self._sock
+        sock.setsockopt(zmq.LINGER, 0)
+        # No frame over this is read, from anyone: larger tensors come in DATA parts that
+        # are taken only within a session, into a buffer sized after the CALL was checked.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 256)  # per peer: at most ~256 MiB queued unread
+        for url in self.config.bind:
+            try:
+                sock.bind(url)
+            except zmq.ZMQError as err:
+                raise OSError(f"cannot listen on {url}: {err}") from None
+            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        return self.endpoints
+
+    def stop(self) -> None:
+        """Ask the loop to finish its current turn and return (safe from signal handlers)."""
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        if not self.endpoints:
+            self.bind()
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for session in list(self.sessions.values()):
+            self._forget(session)
+        self._sock.close(linger=0)
+        self._ctx.term()
+        for url in self.endpoints:
+            if url.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(url.removeprefix("ipc://"))
+
+    # -- the loop ---------------------------------------------------------------
+
+    def step(self) -> None:
+        """One turn: take new work, run at most one batch, else spin or sleep."""
+        got = self._drain_socket() + self._poll_shm()
+        now = time.monotonic()
+        batch = self.scheduler.pop_ready(now)
+        if batch:
+            self._run(batch, now)
+            self._last_busy = time.monotonic()
+            return
+        if got:
+            self._last_busy = now
+            return
+        if now >= self._next_housekeeping:
+            self._housekeeping(now)
+        wake = self.scheduler.next_wake(now)
+        if (wake is not None and wake < 1e-3) or (
+            self._spin_ok and now - self._last_busy < self._spin_s
+        ):
+            return  # spin: a deadline is near, or shared-memory calls keep coming
+        self._sleep(HOUSEKEEPING_S if wake is None else wake)
+
+    def _sleep(self, seconds: float) -> None:
+        """Block on the socket; shared-memory clients are told to ring while we sleep."""
+        timeout_ms = max(1, int(seconds * 1e3))
+        sessions = self._shm_sessions()
+        if sessions:
+            timeout_ms = min(timeout_ms, SLEEP_RECHECK_MS)
+            for s in sessions:
+                s.segment.ctrl[shm.SERVER_ASLEEP] = 1
+            if self._poll_shm():
+                self._wake(sessions)
+                return
+        self._sock.poll(timeout_ms)
+        self._wake(sessions)
+
+    def _wake(self, sessions: list[Session]) -> None:
+        for s in sessions:
+            s.segment.ctrl[shm.SERVER_ASLEEP] = 0
+        self._last_busy = time.monotonic()
+
+    def _shm_sessions(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.segment is not None]
+
+    def _housekeeping(self, now: float) -> None:
+        self._next_housekeeping = now + HOUSEKEEPING_S
+        for session in list(self.sessions.values()):
+            idle = now - max(session.last_seen, session.last_reply)
+            fresh = session.calls == 0 and session.pending is None
+            limit = self.config.new_session_timeout_s if fresh else self.config.session_timeout_s
+            if not session.waiting and idle > limit:
+                log.info("client %s idle for %.0f s: session closed", session.label, idle)
+                self._forget(session)
+            elif session.segment is not None and not _alive(session.pid):
+                log.info("client %s (pid %d) has exited: session freed", session.label, session.pid)
+                self._forget(session)
+
+    # -- socket messages -------------------------------------------------------
+
+    def _drain_socket(self) -> int:
+        taken = 0
+        sock = self._sock
+        while taken < MAX_DRAIN and sock.getsockopt(_EVENTS) & _POLLIN:
+            frames = sock.recv_multipart(copy=False)
+            taken += 1
+            self._handle(frames)
+        return taken
+
+    def _handle(self, frames: list) -> None:
+        """One message: whatever goes wrong answers its sender with ERROR; the loop goes on."""
+        key = frames[0].bytes
+        call_id = 0
+        try:
+            if len(frames) < 2:
+                raise ProtocolError(Code.BAD_MESSAGE, "empty message")
+            message = decode(frames[1].buffer)
+            call_id = getattr(message, "call_id", 0)
+            self._dispatch(key, message, frames)
+        except ProtocolError as err:
+            self.stats.errors += 1
+            if err.code is Code.REFUSED:
+                self.stats.refused += 1
+            log.debug("refused a message from %r: %s", key, err)
+            if err.legacy:
+                self._send(key, legacy_error(err.call_id, err.code, str(err)))
+            else:
+                self._send_error(key, err.call_id or call_id, err.code, str(err))
+        except Exception as err:  # noqa: BLE001 - no message may stop the loop
+            self.stats.errors += 1
+            log.warning("failed handling a message from %r", key, exc_info=True)
+            self._send_error(key, call_id, Code.INTERNAL, f"executor failed: {err!r}"[:4096])
+
+    def _dispatch(self, key: bytes, message, frames: list) -> None:
+        if type(message) is Hello:
+            return self._hello(key, message, frames)
+        if type(message) is Stats:
+            return self._stats(key, message)
+        session = self.sessions.get(key)
+        if session is None:
+            if type(message) in (Bye, Ring):
+                return None
+            raise ProtocolError(
+                Code.NO_SESSION, "no session on this connection: send HELLO first (reconnect)"
+            )
+        session.last_seen = time.monotonic()
+        if type(message) is Call:
+            return self._frame_call(session, message, frames)
+        if type(message) is Data:
+            return self._data(session, message, frames)
+        if type(message) is Attach:
+            return self._attach(session, message)
+        if type(message) is Bye:
+            log.info("client %s left", session.label)
+            return self._forget(session)
+        if type(message) is Ring:
+            return None  # waking the loop was the point; the call is in shared memory
+        raise ProtocolError(Code.BAD_MESSAGE, f"a client does not send {message.KIND.name}")
+
+    def _hello(self, key: bytes, hello: Hello, frames: list) -> None:
+        peer = _peer(frames[1])
+        self._check_token(hello.token, peer)
+        if hello.fingerprint is not None and hello.fingerprint != self.manifest.fingerprint:
+            log.warning("refused client from %s: built from another checkpoint", peer)
+            raise ProtocolError(
+                Code.REFUSED,
+                f"this executor serves checkpoint fingerprint {self.manifest.fingerprint}, the "
+                f"client was built from {hello.fingerprint}: load the client from the checkpoint "
+                "folder the executor was started with",
+            )
+        if key in self.sessions:
+            self._forget(self.sessions[key])
+        if len(self.sessions) >= self.config.max_sessions:
+            log.warning(
+                "refused a client from %s: %d sessions open", peer, self.config.max_sessions
+            )
+            raise ProtocolError(
+                Code.REFUSED,
+                f"this executor serves at most {self.config.max_sessions} clients at once and has that "
+                "many: retry later, or start another serve-base",
+            )
+        now = time.monotonic()
+        session = Session(
+            key=key,
+            label=hello.label or key.hex(),
+            pid=hello.pid,
+            host=hello.host,
+            endpoint=peer,
+            connected_at=now,
+            last_seen=now,
+        )
+        self.sessions[key] = session
+        self._update_spin()
+        log.info("client %s connected (pid %d on %s)", session.label, session.pid, session.host)
+        welcome = Welcome(
+            call_id=hello.call_id,
+            manifest=self._welcome,
+            max_call_bytes=self.config.max_call_bytes,
+            shm=self.config.allow_shm,
+        )
+        self._send(key, encode(welcome))
+
+    def _check_token(self, token: str | None, peer: str) -> None:
+        expected = self.config.token
+        if expected and not hmac.compare_digest((token or "").encode(), expected.encode()):
+            log.warning("refused a connection from %s: missing or wrong token", peer)
+            raise ProtocolError(
+                Code.REFUSED,
+                "this executor requires a token: pass token=... to symbiont.connect "
+                "(or set SYMBIONT_TOKEN) with the value serve-base was started with",
+            )
+
+    def _stats(self, key: bytes, request: Stats) -> None:
+        self._check_token(request.token, "stats request")
+        clients = [
+            {
+                "label": s.label,
+                "pid": s.pid,
+                "host": s.host,
+                "transport": "shm" if s.segment is not None else "zmq",
+                "calls": s.calls,
+                "tokens": s.tokens,
+                "connected_s": time.monotonic() - s.connected_at,
+            }
+            for s in self.sessions.values()
+        ]
+        policy = {k: str(v) for k, v in self.config.policy.__dict__.items()}
+        stats = self.stats.snapshot(clients, policy)
+        self._send(key, encode(StatsReply(call_id=request.call_id, stats=stats)))
+
+    def _attach(self, session: Session, attach: Attach) -> None:
+        """A new segment of the capacity asked for, created, sealed and mapped here: no
+        client can shrink it under our mapping."""
+        if not self.config.allow_shm:
+            raise ProtocolError(Code.REFUSED, "this executor does not accept shared memory")
+        if attach.capacity > self.config.max_call_bytes:
+            raise ProtocolError(
+                Code.TOO_LARGE,
+                f"a segment of {attach.capacity} bytes per area exceeds max_call_bytes "
+                f"({self.config.max_call_bytes})",
+            )
+        try:
+            segment = shm.Segment.create(attach.capacity)
+        except OSError as err:
+            raise ProtocolError(Code.REFUSED, f"no shared memory: {err}") from None
+        if session.segment is not None:
+            session.segment.close()
+        session.segment = segment
+        session.seen_seq = segment.ctrl[shm.REQ_SEQ]
+        self._update_spin()
+        self._send(session.key, encode(Ok(call_id=attach.call_id, segment=segment.path)))
+
+    def _frame_call(self, session: Session, call: Call, frames: list) -> None:
+        if session.waiting or session.pending is not None:  # one at a time; never drop
+            raise ProtocolError(
+                Code.BUSY,
+                "a call is already in flight on this connection: wait for its answer before "
+                "sending the next (or open another connection)",
+            )
+        shape = (call.rows, call.cols)
+        validate_call(
+            self.manifest,
+            call.op,
+            call.layer,
+            shape,
+            DTYPES[call.dtype],
+            call.fused,
+            self.config.max_call_bytes,
+        )
+        nbytes = call.rows * call.cols * self.manifest.dtype.itemsize
+        if len(frames) == 2 and nbytes > MAX_FRAME_BYTES:  # x follows in DATA parts
+            x = torch.empty(call.rows, call.cols, dtype=self.manifest.dtype)
+            session.pending = (call, x, 0)
+            return
+        if len(frames) != 3 or len(frames[2]) != nbytes:
+            got = len(frames[2]) if len(frames) == 3 else "no"
+            raise ProtocolError(
+                Code.BAD_CALL, f"CALL declares {nbytes} bytes of tensor data, sent {got} bytes"
+            )
+        x = tensor_from(frames[2].buffer, self.manifest.dtype, call.rows, call.cols)
+        self._submit(session, call, x)
+
+    def _submit(self, session: Session, call: Call, x: torch.Tensor) -> None:
+        now = time.monotonic()
+        self.scheduler.submit(
+            QueuedCall(session, call.call_id, call.op, call.layer, x, now, extra=call.fused)
+        )
+
+    def _data(self, session: Session, data: Data, frames: list) -> None:
+        """One part of a pending CALL's x, in order, into the buffer made for it."""
+        pending, session.pending = session.pending, None
+        if pending is None or pending[0].call_id != data.call_id:
+            raise ProtocolError(Code.BAD_CALL, f"DATA for call {data.call_id}, which is not open")
+        call, x, received = pending
+        raw = x.view(-1).view(torch.uint8).numpy()
+        size = len(frames[2]) if len(frames) == 3 else 0
+        if data.offset != received or size == 0 or received + size > raw.nbytes:
+            raise ProtocolError(
+                Code.BAD_CALL,
+                f"DATA of call {call.call_id} at offset {data.offset} ({size} bytes): expected "
+                f"the part at offset {received} of {raw.nbytes} bytes; resend the whole CALL",
+            )
+        raw[received : received + size] = np.frombuffer(frames[2].buffer, dtype=np.uint8)
+        if received + size < raw.nbytes:
+            session.pending = (call, x, received + size)
+        else:
+            self._submit(session, call, x)
+
+    # -- shared memory ----------------------------------------------------------
+
+    def _poll_shm(self) -> int:
+        taken = 0
+        for session in self.sessions.values():
+            segment = session.segment
+            if segment is None or session.waiting:
+                continue
+            seq = segment.ctrl[shm.REQ_SEQ]
+            if seq != session.seen_seq:
+                session.seen_seq = seq
+                session.last_seen = time.monotonic()
+                self._shm_call(session, segment, seq)
+                taken += 1
+        return taken
+
+    def _shm_call(self, session: Session, segment, seq: int) -> None:
+        """The call posted in `segment`'s control block: its fields go through the same
+        checks as a CALL message's, and must fit the segment."""
+        try:
+            op, layer, rows, extra = shm.read_call(segment.ctrl)
+            dtype = self.manifest.dtype
+            limit = min(self.config.max_call_bytes, segment.capacity)
+            validate_call(self.manifest, op, layer, (rows, None), dtype, extra, limit)
+        except ProtocolError as err:
+            self.stats.errors += 1
+            segment.ctrl[shm.STATUS] = int(err.code)
+            segment.ctrl[shm.RESP_SEQ] = seq
+            self._send_error(session.key, seq, err.code, str(err))
+            return
+        in_w = self.widths[layer][op is Op.BACKWARD]
+        x = segment.input(dtype, rows, in_w)  # [rows, in_w], no copy
+        now = time.monotonic()
+        call = QueuedCall(session, seq, op, layer, x, now, via_shm=True, extra=extra)
+        if len(self.sessions) == 1 and not self.scheduler:
+            session.waiting = True
+            self._run([call], now)  # alone: nothing to batch with, skip the queues
+        else:
+            self.scheduler.submit(call)
+
+    # -- running a batch ----------------------------------------------------------
+
+    def _run(self, calls: list[QueuedCall], now: float) -> None:
+        """Run one layer for `calls`: one matmul per direction over all their tokens."""
+        first = calls[0]
+        started = time.monotonic()
+        if len(calls) == 1:
+            tokens = self._run_group(first.op, first.layer, calls)
+        else:
+            tokens = 0
+            for op in (Op.FORWARD, Op.BACKWARD):
+                group = [c for c in calls if c.op is op]
+                if group:
+                    tokens += self._run_group(op, first.layer, group)
+        waited = sum(started - c.arrived for c in calls)
+        self.stats.record(first.layer, len(calls), tokens, waited, started)
+
+    def _run_group(self, op: Op, layer: int, calls: list[QueuedCall]) -> int:
+        """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
+        outs = self._batched(op, layer, calls)
+        if outs is None:
+            return 0
+        if len(calls) == 1 and not calls[0].extra:
+            self._reply(calls[0], outs)
+            return calls[0].tokens
+        answers = {id(c): [y] for c, y in zip(calls, outs, strict=True)}
+        for other in sorted({e for c in calls for e in c.extra}):
+            group = [c for c in calls if other in c.extra]
+            outs = self._batched(op, other, group)
+            if outs is None:
+                continue  # those calls were failed; the others still get their answers
+            for call, y in zip(group, outs, strict=True):
+                answers[id(call)].append(y)
+        for call in calls:
+            if call.session.waiting:  # not failed on the way
+                self._reply(call, answers[id(call)])
+        return sum(c.tokens for c in calls)
+
+    def _batched(self, op: Op, layer: int, calls: list[QueuedCall]) -> list[torch.Tensor] | None:
+        """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]."""
+        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
+        try:
+            if self._on_cpu:
+                y = self.executor.run(op, layer, x)
+            else:
+                y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
+        except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
+            log.exception("layer %d %s failed", layer, op.name.lower())
+            for call in calls:
+                self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
+            return None
+        return [y] if len(calls) == 1 else list(y.split([c.tokens for c in calls]))
+
+    def _reply(self, call: QueuedCall, ys: list[torch.Tensor]) -> None:
+        """Answer one call with its outputs, each [n_tokens, out_l], back to back."""
+        session = call.session
+        session.waiting = False
+        session.last_reply = time.monotonic()
+        session.calls += 1
+        session.tokens += call.tokens
+        rows = call.tokens
+        if not call.via_shm:
+            cols = sum(y.shape[1] for y in ys)
+            data = tensor_bytes(ys[0] if len(ys) == 1 else torch.cat([y.reshape(-1) for y in ys]))
+            header = encode(Result(call_id=call.call_id, rows=rows, cols=cols))
+            self._sock.send_multipart([session.key, header, data], copy=False)
+            return
+        segment = session.segment
+        if segment is None:
+            return  # the client left while its call ran
+        offset = 0
+        for y in ys:
+            segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
+            offset += y.numel()
+        ctrl = segment.ctrl
+        ctrl[shm.OUT_ROWS] = rows
+        ctrl[shm.STATUS] = 0
+        ctrl[shm.RESP_SEQ] = call.call_id
+        if ctrl[shm.CLIENT_ASLEEP] or not shm.SPIN_SAFE:
+            self._send(session.key, encode(Ring(seq=call.call_id)))
+
+    def _fail(self, call: QueuedCall, code: Code, message: str) -> None:
+        session = call.session
+        session.waiting = False
+        session.last_reply = time.monotonic()
+        if call.via_shm and session.segment is not None:
+            session.segment.ctrl[shm.STATUS] = int(code)
+            session.segment.ctrl[shm.RESP_SEQ] = call.call_id
+        self._send_error(session.key, call.call_id, code, message)
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _send(self, key: bytes, header: bytes) -> None:
+        self._sock.send_multipart([key, header])
+
+    def _send_error(self, key: bytes, call_id: int, code: Code, message: str) -> None:
+        self._send(key, encode(Error(call_id=call_id, code=code, message=message[:MAX_MESSAGE])))
+
+    def _forget(self, session: Session) -> None:
+        self.sessions.pop(session.key, None)
+        self.scheduler.drop_session(session)
+        session.pending = None
+        if session.segment is not None:
+            session.segment.ctrl[shm.CLOSED] = 1  # the client says HELLO again
+            session.segment.close()
+            session.segment = None
+        self._update_spin()
+
+    def _update_spin(self) -> None:
+        """Spin only while the executor and each client can have a core (same host or not:
+        a remote client's calls still find the loop awake)."""
+        self._spin_ok = self._spin_s > 0 and len(self.sessions) + 1 <= self._cores
+        for s in self._shm_sessions():
+            s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+
+
+def _peer(frame) -> str:
+    try:
+        return frame.get("Peer-Address") or "local"
+    except (zmq.ZMQError, AttributeError):
+        return "local"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

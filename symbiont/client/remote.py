@@ -1,0 +1,466 @@
+"""The client side of the executor service: an `Executor` that calls a remote base.
+
+`connect(url)` returns a `RemoteExecutor`; `load_client(path, executor)` uses it exactly
+like the in-process executor. Tensors travel either as raw ZeroMQ frames (any host) or,
+when client and executor share a host, through a shared-memory segment the client
+allocates at connect time and grows on demand, so a layer call moves no tensor bytes
+through the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from symbiont.client.fusion import Fusion
+from symbiont.protocol import shm
+from symbiont.protocol.executor import (
+    PROTOCOL_VERSION,
+    Executor,
+    ExecutorError,
+    ExecutorUnavailable,
+    Manifest,
+    Op,
+    check_call,
+)
+from symbiont.protocol.urls import check_url, is_loopback
+from symbiont.protocol.wire import (
+    DTYPE_NAMES,
+    MAX_FRAME_BYTES,
+    Attach,
+    Bye,
+    Call,
+    Code,
+    Data,
+    Error,
+    Hello,
+    ProtocolError,
+    Result,
+    Ring,
+    Stats,
+    decode,
+    encode,
+    tensor_bytes,
+    tensor_from,
+)
+
+log = logging.getLogger("symbiont.client")
+
+
+class Mode(StrEnum):
+    AUTO = "auto"  # shared memory when the executor is on this host, frames otherwise
+    FRAMES = "zmq"  # tensors as ZeroMQ frames (works across hosts)
+    SHM = "shm"  # shared memory, or fail
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a client reaches the executor.
+
+    timeout_s: longest wait for one call's answer before the connection is re-made and
+    the call resent (calls are stateless, so resending is safe); after `retries` such
+    attempts the call raises ExecutorUnavailable. spin_us: how long the client polls
+    shared memory for the answer before it sleeps on the socket.
+    """
+
+    mode: Mode = Mode.AUTO
+    token: str | None = None
+    fingerprint: str | None = None  # refuse an executor serving another checkpoint
+    label: str | None = None  # shown by `symbiont stats`
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    retries: int = 2
+    spin_us: float = 1000.0
+    shm_tokens: int = 64  # initial shared-memory capacity, in tokens of the widest layer
+    fuse: bool = True  # one round trip for forward calls sharing an input (q/k/v, gate/up)
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive (seconds)")
+        if self.retries < 0 or self.shm_tokens < 1:
+            raise ValueError("retries must be >= 0 and shm_tokens >= 1")
+
+
+def connect(url: str, *, checkpoint=None, **options) -> RemoteExecutor:
+    """An Executor served by `symbiont serve-base` at `url` (tcp://HOST:PORT or ipc:///path).
+
+    checkpoint: a checkpoint folder; the handshake then refuses an executor built from
+    another base. Other options are `ClientConfig` fields (mode, token, timeout_s, ...);
+    the token defaults to $SYMBIONT_TOKEN.
+    """
+    check_url(url)
+    if checkpoint is not None:
+        from symbiont.model.checkpoint import Checkpoint
+
+        options.setdefault("fingerprint", Checkpoint.open(checkpoint).fingerprint)
+    options.setdefault("token", os.environ.get("SYMBIONT_TOKEN"))
+    return RemoteExecutor(url, ClientConfig(**options))
+
+
+class _Lost(Exception):
+    """No answer: re-make the connection and resend. The text says what happened."""
+
+
+TIMED_OUT = "timed out"
+DROPPED = "dropped"
+
+
+class RemoteExecutor(Executor):
+    """An Executor whose layers run in a `serve-base` process. Thread-safe (one call at a time)."""
+
+    def __init__(self, url: str, config: ClientConfig):
+        self.url = url
+        self.config = config
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock = None
+        self._segment: shm.Segment | None = None
+        self._manifest: Manifest | None = None
+        self._next_id = 0
+        self._seq = 0
+        self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
+        self._fusion = Fusion() if config.fuse else None
+        self._open()
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def transport(self) -> str:
+        """'shm' when calls go through shared memory, else 'zmq'."""
+        return "shm" if self._segment is not None else "zmq"
+
+    def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        check_call(self._manifest, op, layer, x)
+        with self._lock:
+            extra = ()
+            if op is Op.FORWARD and self._fusion is not None:
+                ready = self._fusion.take(layer, x)
+                if ready is not None:
+                    return ready.to(x.device)
+                extra = self._fusion.plan(layer, x)
+            what = []
+            for attempt in range(self.config.retries + 1):
+                try:
+                    outputs = self._call(op, layer, x, extra)
+                    if extra:
+                        self._fusion.keep(x, extra, outputs[1:])
+                    return outputs[0].to(x.device)
+                except _Lost as lost:
+                    what.append(str(lost) or TIMED_OUT)
+                    log.warning(
+                        "no answer from %s (attempt %d, %s): reconnecting",
+                        self.url,
+                        attempt + 1,
+                        what[-1],
+                    )
+                    self._reopen()
+        raise ExecutorUnavailable(self._lost_message(what))
+
+    def _lost_message(self, what: list[str]) -> str:
+        """Why calls stopped: the executor went away (the connection dropped, nobody
+        answers a reconnect) or it is alive but slower than timeout_s."""
+        url, cfg = self.url, self.config
+        if TIMED_OUT not in what:
+            return (
+                f"lost the base executor at {url}: the connection dropped ({', '.join(what)}) "
+                f"and there was no answer from the base executor to {len(what)} reconnect "
+                f"attempts (each waits connect_timeout_s={cfg.connect_timeout_s:g} s). It has "
+                "exited: start `symbiont serve-base` at that URL again and retry (calls are "
+                "stateless; nothing is lost)"
+            )
+        return (
+            f"no answer from the base executor at {url}: {what.count(TIMED_OUT)} of "
+            f"{len(what)} attempts each waited timeout_s={cfg.timeout_s:g} s ({', '.join(what)})."
+            f" It is running but stuck or overloaded: check `symbiont stats {url}`, or raise "
+            "timeout_s"
+        )
+
+    def stats(self) -> dict:
+        """The executor's live statistics (what `symbiont stats URL` prints)."""
+        with self._lock:
+            call_id = self._send(Stats(call_id=self._new_id(), token=self.config.token))
+            return self._await(call_id, self.config.connect_timeout_s).stats
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send(encode(Bye(call_id=0)), zmq.NOBLOCK)
+            self._drop()
+            if not self._ctx.closed:
+                self._ctx.term()
+
+    def __del__(self):
+        if getattr(self, "_sock", None) is not None:
+            with contextlib.suppress(zmq.ZMQError, AttributeError):
+                self._drop()
+
+    # -- connection --------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._handshake()
+        except ExecutorError:
+            self._drop()
+            raise
+        except _Lost:
+            self._drop()
+            raise ExecutorUnavailable(
+                f"no base executor answered at {self.url} within "
+                f"{self.config.connect_timeout_s:g} s; start one with `symbiont serve-base "
+                f"--model DIR --bind {self.url}` or check the URL"
+            ) from None
+        if self.config.mode is not Mode.FRAMES:
+            self._attach_shm()
+
+    def _reopen(self) -> None:
+        self._drop()
+        try:
+            self._open()
+        except ExecutorUnavailable as err:
+            log.warning("%s", err)
+
+    def _drop(self) -> None:
+        if self._fusion is not None:
+            self._fusion.forget()
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _handshake(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.url)
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        host = socket.gethostname()[:255]
+        hello = Hello(
+            call_id=self._new_id(),
+            protocol=PROTOCOL_VERSION,
+            token=self.config.token,
+            fingerprint=self.config.fingerprint,
+            pid=os.getpid(),
+            host=host,
+            label=(self.config.label or f"{host}:{os.getpid()}")[:256],
+        )
+        welcome = self._await(self._send(hello), self.config.connect_timeout_s)
+        manifest = Manifest.from_dict(welcome.manifest)
+        if self._manifest is not None and manifest != self._manifest:
+            raise ExecutorError(
+                f"the executor at {self.url} now serves another base than at connect time; "
+                "reload the client"
+            )
+        self._manifest = manifest
+        self._widest = max(max(s.in_features, s.out_features) for s in manifest.layers)
+        self._server_shm = welcome.shm
+
+    def _attach_shm(self, tokens: int | None = None) -> None:
+        """Allocate a segment for `tokens` tokens of the widest layer and hand it over."""
+        if not (is_loopback(self.url) and self._server_shm):
+            if self.config.mode is Mode.SHM:
+                raise ExecutorError(
+                    f"shared memory needs the executor on this host and allowing it; "
+                    f"{self.url} does not: connect with mode='zmq'"
+                )
+            return
+        tokens = max(tokens or 0, self.config.shm_tokens)
+        capacity = tokens * self._widest * self._manifest.dtype.itemsize
+        try:
+            attach = Attach(call_id=self._new_id(), capacity=capacity)
+            ok = self._await(self._send(attach), self.config.connect_timeout_s)
+            segment = shm.Segment.open(ok.segment or "", capacity)
+        except (ExecutorError, ValueError) as err:
+            if self.config.mode is Mode.SHM:
+                raise ExecutorError(f"shared memory with {self.url}: {err}") from None
+            log.info("shared memory refused (%s): tensors go through the socket", err)
+            return
+        if self._segment is not None:
+            self._segment.close()
+        self._segment = segment
+        self._seq = segment.ctrl[shm.RESP_SEQ]
+
+    # -- calls -------------------------------------------------------------------
+
+    def _call(self, op: Op, layer: int, x: torch.Tensor, extra: tuple[int, ...]) -> list:
+        """Outputs of `layer` and of each fused layer in `extra` (forward only), each
+        [rows, out_l]. x [rows, in_w]."""
+        if self._sock is None:
+            raise _Lost("not connected")
+        layers = self._manifest.layers
+        spec = layers[layer]
+        in_w, out_w = (
+            (spec.in_features, spec.out_features)
+            if op is Op.FORWARD
+            else (spec.out_features, spec.in_features)
+        )
+        out_ws = [out_w, *(layers[e].out_features for e in extra)]
+        rows = x.shape[0]
+        if self._segment is not None:
+            if rows * max(in_w, sum(out_ws)) * x.element_size() > self._segment.capacity:
+                self._grow(rows * max(in_w, sum(out_ws)) // self._widest)
+            if self._segment is not None:
+                return self._call_shm(op, layer, x, extra, in_w, out_ws)
+        return self._call_frames(op, layer, x, extra, in_w, out_ws)
+
+    def _grow(self, tokens: int) -> None:
+        """A bigger segment for `tokens` tokens of the widest layer (next power of two)."""
+        self._attach_shm(1 << max(tokens, 1).bit_length())
+
+    def _call_frames(self, op, layer, x, extra, in_w, out_ws) -> list:
+        """x [rows, in_w] as a frame -> outputs [rows, out_w] back to back in one frame."""
+        rows = x.shape[0]
+        call = Call(self._new_id(), op, layer, rows, in_w, DTYPE_NAMES[x.dtype], extra)
+        data = tensor_bytes(x)
+        if len(data) <= MAX_FRAME_BYTES:
+            self._sock.send_multipart([encode(call), data], copy=rows * in_w < 8192)
+        else:  # the executor reads no frame over MAX_FRAME_BYTES: send x in parts
+            self._sock.send(encode(call))
+            for offset in range(0, len(data), MAX_FRAME_BYTES):
+                part = data[offset : offset + MAX_FRAME_BYTES]
+                self._sock.send_multipart([encode(Data(call.call_id, offset)), part], copy=False)
+        result, data = self._await(call.call_id, self.config.timeout_s, frames=True)
+        if (
+            result.rows != rows
+            or result.cols != sum(out_ws)
+            or len(data) != rows * result.cols * x.element_size()
+        ):
+            raise ExecutorError(f"the executor answered [{result.rows}, {result.cols}]: a bug")
+        dtype = self._manifest.dtype
+        if len(out_ws) == 1:
+            return [tensor_from(data, dtype, rows, out_ws[0])]
+        outputs, start, view = [], 0, memoryview(data)
+        for width in out_ws:
+            size = rows * width * dtype.itemsize
+            outputs.append(tensor_from(view[start : start + size], dtype, rows, width))
+            start += size
+        return outputs
+
+    def _call_shm(self, op, layer, x, extra, in_w, out_ws) -> list:
+        """x [rows, in_w] into shared memory -> outputs [rows, out_w] out of it (copied)."""
+        segment = self._segment
+        ctrl = segment.ctrl
+        rows = x.shape[0]
+        if ctrl[shm.CLOSED]:
+            raise _Lost("session expired")  # the executor freed it: reconnect
+        segment.input(x.dtype, rows, in_w).copy_(x)
+        ctrl[shm.OP] = int(op)
+        ctrl[shm.LAYER] = layer
+        ctrl[shm.ROWS] = rows
+        ctrl[shm.FUSED] = len(extra)
+        for i, other in enumerate(extra):
+            ctrl[shm.EXTRA + i] = other
+        self._seq += 1
+        seq = self._seq
+        ctrl[shm.REQ_SEQ] = seq
+        if ctrl[shm.SERVER_ASLEEP] or not shm.SPIN_SAFE:
+            self._sock.send(encode(Ring(seq=seq)))
+        error = self._wait_shm(ctrl, seq)
+        if ctrl[shm.STATUS]:
+            if error:
+                self._raise(error)
+            self._await(seq, self.config.timeout_s)  # raises with the executor's message
+        outputs, offset = [], 0
+        for width in out_ws:
+            outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
+            offset += rows * width
+        return outputs
+
+    def _wait_shm(self, ctrl, seq: int) -> Error | None:
+        """Spin on the answer's sequence number, then sleep on the socket for a RING.
+        Returns the executor's ERROR if one arrived for this call."""
+        spin_until = time.perf_counter() + (self._spin_s if ctrl[shm.SPIN_OK] else 0.0)
+        while ctrl[shm.RESP_SEQ] != seq:
+            if time.perf_counter() > spin_until:
+                break
+        else:
+            return None
+        ctrl[shm.CLIENT_ASLEEP] = 1
+        deadline = time.monotonic() + self.config.timeout_s
+        error = None
+        try:
+            while ctrl[shm.RESP_SEQ] != seq:
+                message = self._next_message(min(deadline - time.monotonic(), 0.02))
+                if type(message) is Error and message.call_id == seq:
+                    error = message
+                if time.monotonic() > deadline:
+                    raise _Lost(TIMED_OUT)
+        finally:
+            ctrl[shm.CLIENT_ASLEEP] = 0
+        return error
+
+    # -- messages ----------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _send(self, message) -> int:
+        self._sock.send(encode(message))
+        return message.call_id
+
+    def _await(self, call_id: int, timeout_s: float, frames: bool = False):
+        """The reply to `call_id` (stale replies are skipped); ERROR raises ExecutorError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Lost(TIMED_OUT)
+            message = self._next_message(left, whole=True)
+            if message is None:
+                continue
+            header = message[0]
+            if getattr(header, "call_id", None) != call_id:
+                continue  # a RING, or the answer to a call given up on
+            if type(header) is Error:
+                self._raise(header)
+            if frames and (type(header) is not Result or len(message) != 2):
+                continue
+            return (header, message[1]) if frames else header
+
+    def _next_message(self, timeout_s: float, whole: bool = False):
+        """The next message's header (or [header, *frames] if `whole`) within `timeout_s`,
+        or None; raises _Lost at once when the connection to the executor drops."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1e3)) + 1))
+        if self._monitor in events:
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                raise _Lost(DROPPED)
+        if self._sock not in events:
+            return None
+        message = self._sock.recv_multipart()
+        try:
+            header = decode(message[0])
+        except ProtocolError as err:
+            if err.legacy:  # an executor of protocol 1 answered: say which side to upgrade
+                raise ExecutorError(f"base executor at {self.url}: {err}") from None
+            log.warning("ignored a malformed message from %s: %s", self.url, err)
+            return None
+        return [header, *message[1:]] if whole else header
+
+    def _raise(self, error: Error) -> None:
+        if error.code is Code.NO_SESSION:
+            raise _Lost(
+                "session expired"
+            )  # the executor restarted or expired us: reconnect and resend
+        raise ExecutorError(f"base executor at {self.url}: {error.message}")

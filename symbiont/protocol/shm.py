@@ -1,0 +1,174 @@
+"""Same-host shared memory: one segment per client, mapped by the client and the executor.
+
+Layout (offsets in bytes):
+
+    0     control block: int64 slots, each group on its own cache line
+            REQ_SEQ, OP, LAYER, ROWS, FUSED,    written by the client
+            EXTRA[0..2] (layers fused into the call, fed the same x)
+            RESP_SEQ, STATUS, OUT_ROWS          written by the executor
+            SERVER_ASLEEP                       executor: "ring me, I am not spinning"
+            SPIN_OK                             executor: "spinning pays: a core each"
+            CLOSED                              executor: "session over: say HELLO again"
+            CLIENT_ASLEEP                       client: "ring me, I am not spinning"
+    256   input area   x [rows, width_in]     (capacity bytes)
+    256+c output area  y [rows, width_out]    (capacity bytes; a fused call's outputs
+                                              follow one another)
+
+A call moves no tensor bytes through the socket: the client copies x into the input
+area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
+runs the call, writes y and bumps RESP_SEQ. Only a side that is not spinning is woken
+through the socket (a RING doorbell). Spinning only pays when every spinner has a core:
+the executor clears SPIN_OK while its shared-memory clients outnumber the cores, and
+then both sides sleep on the socket between calls. On x86-64 stores are seen in program order, so
+seeing a new sequence number implies seeing the data written before it; elsewhere the
+fast path is off and every call rings (the socket's system calls order memory).
+
+The executor creates and owns every segment it maps: an anonymous memory file (memfd)
+of the size the client asked for, sealed against shrinking and growing
+(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so no client can truncate it under the
+executor's mapping (which would fault the executor with SIGBUS); the kernel refuses.
+The client maps it by opening `/proc/<executor pid>/fd/<n>` (same user only, as with
+any process's files). It has no name: nothing is left behind if either side is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import platform
+import stat
+
+import torch
+
+from symbiont.protocol.executor import MAX_FUSED, Code, Op, ProtocolError
+
+REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
+RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
+SERVER_ASLEEP, SPIN_OK, CLOSED = 16, 17, 18
+CLIENT_ASLEEP = 24
+HEADER_BYTES = 256
+MAX_CACHED_VIEWS = 256
+
+# Spinning on a sequence number is only safe where stores become visible in order.
+SPIN_SAFE = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+
+SEALS = (
+    getattr(fcntl, "F_SEAL_SHRINK", 0)
+    | getattr(fcntl, "F_SEAL_GROW", 0)
+    | getattr(fcntl, "F_SEAL_SEAL", 0)
+)
+AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+
+
+class Segment:
+    """A mapped segment with a control block and input/output areas of `capacity` bytes."""
+
+    def __init__(self, path: str, fd: int, capacity: int, keep_fd: bool = False):
+        self.path = path
+        self.capacity = capacity
+        self.size = HEADER_BYTES + 2 * capacity
+        self._map = mmap.mmap(fd, self.size)
+        self.fd = fd if keep_fd else None  # the owner keeps it open for the client to open
+        if not keep_fd:
+            os.close(fd)
+        self.ctrl = memoryview(self._map)[:HEADER_BYTES].cast("q")
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
+        self._out = raw[HEADER_BYTES + capacity :]
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def create(cls, capacity: int) -> Segment:
+        """A new sealed segment (executor side): it cannot shrink or grow, whoever opens it.
+        `path` is where a same-user process on this host opens it."""
+        if not AVAILABLE:
+            raise OSError("shared memory needs Linux memfd sealing: use frames (mode='zmq')")
+        fd = os.memfd_create("symbiont", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + 2 * capacity)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return cls(f"/proc/{os.getpid()}/fd/{fd}", fd, capacity, keep_fd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, path: str, capacity: int) -> Segment:
+        """Map the segment the executor created for us (client side)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as err:
+            raise ValueError(
+                f"cannot open the executor's shared-memory segment {path} ({err.strerror}): "
+                "the executor runs on another host, in another pid namespace or as another "
+                "user (use mode='zmq')"
+            ) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != HEADER_BYTES + 2 * capacity:
+            os.close(fd)
+            raise ValueError(f"shared-memory segment {path} has size {info.st_size}")
+        return cls(path, fd, capacity)
+
+    def input(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View of the input area as [rows, cols] (cached: decode repeats a few shapes)."""
+        key = (0, dtype, rows, cols)
+        view = self._views.get(key)
+        return view if view is not None else self._view(key, self._in)
+
+    def output(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View of the output area as [rows, cols]."""
+        key = (1, dtype, rows, cols)
+        view = self._views.get(key)
+        return view if view is not None else self._view(key, self._out)
+
+    def output_at(self, offset: int, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        """View [rows, cols] of the output area starting `offset` elements in."""
+        if offset == 0:
+            return self.output(dtype, rows, cols)
+        start = offset * dtype.itemsize
+        return self._out[start : start + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+    def _view(self, key: tuple, area: torch.Tensor) -> torch.Tensor:
+        _, dtype, rows, cols = key
+        if len(self._views) >= MAX_CACHED_VIEWS:
+            self._views.clear()
+        view = area[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        self._views[key] = view
+        return view
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.ctrl.release()
+        self._in = self._out = None
+        self._views.clear()
+        # A caller may still hold a view; then the mapping goes when that view goes.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def read_call(ctrl) -> tuple[Op, int, int, tuple[int, ...]]:
+    """(op, layer, rows, fused layers) of the call posted in a control block, each field
+    checked like a CALL message's (the client writes these slots: trust none of them);
+    `validate_call` then checks them against the manifest."""
+    op, layer, rows, fused = ctrl[OP], ctrl[LAYER], ctrl[ROWS], ctrl[FUSED]
+    if op not in _OPS:
+        raise ProtocolError(Code.BAD_CALL, f"op = {op} in shared memory: 1 is forward, 2 backward")
+    if rows < 0:
+        raise ProtocolError(Code.BAD_CALL, f"rows = {rows} in shared memory: must be >= 0")
+    if not 0 <= fused <= MAX_FUSED:
+        raise ProtocolError(Code.BAD_CALL, f"fused = {fused} in shared memory: 0..{MAX_FUSED}")
+    return _OPS[op], layer, rows, tuple(ctrl[EXTRA : EXTRA + fused])
+
+
+_OPS = {int(op): op for op in Op}
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,131 @@
+"""Running the API: load the engine (in the background, so /health answers 503 while it
+loads), then serve with uvicorn; `BackgroundServer` does it on a thread for tests and
+benchmarks. Its configuration, `ServerConfig`, is in `symbiont.serve.config`.
+
+Stopping: on SIGTERM or SIGINT, requests in flight get `SHUTDOWN_GRACE_S` seconds to
+finish, then they are cancelled (their sequences aborted) and the process exits. If the
+engine thread fails for good, /health turns 503 and `run` stops the server and raises, so
+`symbiont serve` exits non-zero and a supervisor can restart it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import uvicorn
+
+from symbiont.serve.async_engine import AsyncEngine
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.engine import Engine
+from symbiont.serve.http.api import ServerState, build_app
+from symbiont.tenant import open_executor
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this, then are cancelled
+
+
+def load_engine(
+    config: ServerConfig, state: ServerState, on_failure: Callable[[str], None] | None = None
+) -> AsyncEngine:
+    """Build the engine and its adapters, then make the state ready; `on_failure(why)` is
+    called from the engine thread if it fails for good."""
+    executor = open_executor(config.model, config.executor) if config.executor else None
+    engine = Engine.from_pretrained(
+        config.model,
+        executor=executor,
+        config=config.engine,
+        device=config.device,
+        dtype=config.dtype,
+    )
+    for name, path in config.adapters:
+        engine.load_adapter(name, path)
+        log.info("adapter %s loaded from %s", name, path)
+    state.metrics.attach(engine)
+    state.engine = AsyncEngine(engine, on_failure).start()
+    return state.engine
+
+
+class BackgroundServer:
+    """The server on a daemon thread; `with BackgroundServer(cfg) as s: s.url`."""
+
+    def __init__(self, config: ServerConfig, wait_ready: bool = True):
+        self.config = config
+        self.state = server_state(config)
+        self._server = uvicorn.Server(_uvicorn_config(config, self.state, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="symbiont-http", daemon=True)
+        self._wait_ready = wait_ready
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the HTTP server did not start on port {self.config.port}")
+            threading.Event().wait(0.02)
+        if self._wait_ready:
+            load_engine(self.config, self.state)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        if self.state.engine is not None:
+            self.state.engine.stop()
+
+
+def run(config: ServerConfig) -> int:
+    """Serve until interrupted (the `symbiont serve` command)."""
+    state = server_state(config)
+    server = uvicorn.Server(_uvicorn_config(config, state))
+
+    def engine_failed(why: str) -> None:  # from the engine thread
+        log.critical("%s; stopping the server", why)
+        server.should_exit = True
+
+    def load() -> None:
+        try:
+            load_engine(config, state, engine_failed)
+            log.info("serving %s on http://%s:%s", config.model_name, config.host, config.port)
+        except Exception as err:  # noqa: BLE001 - reported, then the server stops
+            state.load_error = f"loading failed: {err}"
+            log.error("%s", state.load_error)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="symbiont-load", daemon=True).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.stop()
+        if state.engine.error:
+            raise RuntimeError(f"{state.engine.error}; see the log above")
+    if state.load_error:
+        raise RuntimeError(state.load_error)
+    return 0
+
+
+def server_state(config: ServerConfig) -> ServerState:
+    return ServerState(
+        config.model_name,
+        config.model,
+        api_key=config.api_key,
+        adapter_dir=config.adapter_dir,
+        max_request_bytes=config.max_request_bytes,
+    )
+
+
+def _uvicorn_config(config: ServerConfig, state: ServerState, **kw) -> uvicorn.Config:
+    return uvicorn.Config(
+        build_app(state),
+        host=config.host,
+        port=config.port,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        **kw,
+    )

@@ -1,0 +1,141 @@
+"""The model runner: one flattened forward of the client model per iteration.
+
+`prepare` turns the scheduled chunks into one `[1, n_tokens]` batch (no padding) and the
+`StepContext` the attention function and adapter layers read; `forward` runs it and
+returns the logits of the rows kept: the last token of every sequence that samples this
+iteration and, only for requests that asked for prompt log-probabilities, every prompt
+position of the chunk (its logits score the next prompt token). Index tensors are built
+on the host and moved once per iteration; nothing here waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from symbiont.serve.adapters import AdapterRegistry, adapter_batch
+from symbiont.serve.attention import register_attention
+from symbiont.serve.context import AttnGroup, StepContext, use_context
+from symbiont.serve.kv_cache import PagedKVCache
+from symbiont.serve.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    ids: torch.Tensor  # [n_tokens] token ids
+    positions: torch.Tensor  # [n_tokens] position of each token in its sequence
+    keep_rows: torch.Tensor  # [n_keep] flat rows whose logits are computed: sampling rows
+    # first (one per sampling chunk, in schedule order), then the prompt-scoring rows
+    n_samples: int
+    prompt_spans: tuple[tuple[ScheduledSeq, int, int], ...]  # (chunk, first, end) in kept rows
+    ctx: StepContext
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    sampling: torch.Tensor  # [n_samples, vocab] one row per chunk that samples, in order
+    prompt: tuple[tuple[ScheduledSeq, torch.Tensor], ...]  # chunk -> [len(prompt_rows), vocab]
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, adapters: AdapterRegistry):
+        self.model = model.eval()
+        self.model.set_attn_implementation(register_attention())
+        self.kv_cache = kv_cache
+        self.adapters = adapters
+        self.device = model.get_input_embeddings().weight.device
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+
+    def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+        """-> the logits of the sampling rows and of the prompt-scoring rows."""
+        batch = self.prepare(scheduled)
+        logits = self.forward(batch)  # [n_keep, vocab]
+        prompt = tuple((item, logits[a:b]) for item, a, b in batch.prompt_spans)
+        return StepLogits(logits[: batch.n_samples], prompt)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        with torch.inference_mode(), use_context(batch.ctx):
+            out = self.model(
+                input_ids=batch.ids[None],
+                position_ids=batch.positions[None],
+                use_cache=False,
+                logits_to_keep=batch.keep_rows,
+            )
+        return out.logits[0]
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
+        ids, positions, slots, token_slots, sample_rows = [], [], [], [], []
+        prompt_rows, spans = [], []
+        for item in scheduled:
+            seq, start, stop = item.seq, item.start, item.start + item.n_tokens
+            first = len(ids)
+            ids += seq.token_ids[start:stop]
+            positions += range(start, stop)
+            slots += self.kv_cache.slots(seq.blocks, start, stop)
+            token_slots += [seq.adapter_slot] * item.n_tokens
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+            if item.prompt_rows:
+                spans.append((item, len(prompt_rows), len(prompt_rows) + len(item.prompt_rows)))
+                prompt_rows += [first + p - start for p in item.prompt_rows]
+        decode = [item for item in scheduled if item.n_tokens == 1]
+        prefill = [item for item in scheduled if item.n_tokens > 1]
+        offsets = _offsets(scheduled)
+        groups = tuple(self._attn_group(g, offsets) for g in (decode, prefill) if g)
+        ctx = StepContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=self._tensor(slots),
+            attn_groups=groups,
+            adapters=adapter_batch(self._tensor(token_slots), self.adapters),
+        )
+        n = len(sample_rows)
+        spans = tuple((item, n + a, n + b) for item, a, b in spans)
+        keep = self._tensor(sample_rows + prompt_rows)
+        return Batch(self._tensor(ids), self._tensor(positions), keep, n, spans, ctx)
+
+    def _attn_group(self, items: list[ScheduledSeq], offsets: dict[int, int]) -> AttnGroup:
+        max_q = max(item.n_tokens for item in items)
+        first = torch.tensor([offsets[id(item)] for item in items])  # [n_seqs]
+        start = torch.tensor([item.start for item in items])  # [n_seqs]
+        n = torch.tensor([item.n_tokens for item in items])  # [n_seqs]
+        step = torch.arange(max_q)  # [max_q]
+        q_valid = step[None, :] < n[:, None]  # [n_seqs, max_q]
+        q_index = (first[:, None] + step[None, :]) * q_valid
+        q_pos = (start[:, None] + step[None, :]) * q_valid
+        kv_len = start + n
+        kv_slots = self._kv_slots(items, int(kv_len.max()))
+        q_valid = q_valid.flatten()
+        return AttnGroup(
+            q_index=q_index.to(self.device),
+            q_valid=q_valid.to(self.device),
+            q_tokens=q_index.flatten()[q_valid].to(self.device),
+            kv_slots=kv_slots,
+            q_pos=q_pos.to(self.device),
+            kv_len=kv_len.to(self.device),
+        )
+
+    def _kv_slots(self, items: list[ScheduledSeq], max_kv: int) -> torch.Tensor:
+        """-> [n_seqs, max_kv] cache slot of every context position (padding -> block 0)."""
+        size = self.kv_cache.block_size
+        n_blocks = self.kv_cache.blocks_for(max_kv)
+        table = torch.zeros(len(items), n_blocks, dtype=torch.long)
+        for row, item in enumerate(items):
+            used = item.seq.blocks[:n_blocks]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        pos = torch.arange(max_kv)
+        slots = table[:, pos // size] * size + pos % size  # [n_seqs, max_kv]
+        return slots.to(self.device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _offsets(scheduled: list[ScheduledSeq]) -> dict[int, int]:
+    """id(item) -> flat index of the item's first token this iteration."""
+    offsets, total = {}, 0
+    for item in scheduled:
+        offsets[id(item)] = total
+        total += item.n_tokens
+    return offsets

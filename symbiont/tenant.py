@@ -1,0 +1,62 @@
+"""What a tenant process opens, one way for `finetune`, `generate`, `serve` and `demo`: the
+executor its base layers run on (in this process, or a `serve-base` reached by URL), the
+client model over it, and the checkpoint's tokenizer.
+
+Choosing in-process or remote is a placement decision of the process, so it lives here,
+above both `symbiont.base` and `symbiont.client` (which never import each other).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from symbiont.protocol.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+def open_executor(model_dir, url: str | None = None, *, device="cpu", dtype=None) -> Executor:
+    """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
+    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None."""
+    if url is None:
+        from symbiont.base.executor import BaseExecutor
+
+        return BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
+    from symbiont.client.remote import connect
+
+    return connect(url, checkpoint=model_dir)
+
+
+def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None, need_tokenizer=True):
+    """The client model (frozen linear layers on `executor`) with its tokenizer (None when
+    the checkpoint has none and `need_tokenizer` is False)."""
+    from symbiont.client.loader import load_client
+
+    model = load_client(model_dir, executor, device=device, dtype=dtype)
+    return model, load_tokenizer(model_dir, required=need_tokenizer)
+
+
+def load_tokenizer(model_dir: str | os.PathLike, *, required: bool = True):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        if not required:
+            log.warning(
+                "no tokenizer in %s (%s); only token-id prompts are accepted", model_dir, err
+            )
+            return None
+        raise ValueError(
+            f"no tokenizer in {model_dir} ({err}); symbiont needs the checkpoint folder "
+            "to include its tokenizer files"
+        ) from err
+
+
+def set_threads(threads: int | None) -> None:
+    """Limit intra-op threads (useful when several clients share a few cores)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
