@@ -15,8 +15,16 @@ from symbiont.model.layers import (
     find_base_layers,
     spec_of,
 )
+from symbiont.model.moe import (
+    experts_backward,
+    experts_forward,
+    experts_spec,
+    find_experts,
+    load_experts,
+)
 from symbiont.model.skeleton import build_skeleton, checkpoint_key, resolve_dtype
 from symbiont.protocol.executor import Executor, Manifest, Op, check_call
+from symbiont.protocol.experts import check_experts_call
 
 
 @dataclass(frozen=True)
@@ -33,10 +41,17 @@ class BaseExecutor(Executor):
     of a call is kept afterwards, so clients need not run in lockstep.
     """
 
-    def __init__(self, manifest: Manifest, weights: list[_Weights], device: torch.device):
+    def __init__(
+        self,
+        manifest: Manifest,
+        weights: list[_Weights],
+        device: torch.device,
+        experts: list[torch.nn.Module] = (),
+    ):
         self._manifest = manifest
         self._weights = weights
         self.device = device
+        self._experts = list(experts)  # the models' own experts modules, weights loaded
 
     @classmethod
     def from_pretrained(
@@ -60,8 +75,15 @@ class BaseExecutor(Executor):
                     checkpoint, skeleton, spec.name, spec.kind, spec.has_bias, dtype, device
                 )
             )
-        manifest = Manifest(checkpoint.fingerprint, dtype, tuple(specs))
-        return cls(manifest, weights, device)
+        experts = find_experts(skeleton)
+        stacks = [load_experts(checkpoint, skeleton, name, device) for name, _, _ in experts]
+        manifest = Manifest(
+            checkpoint.fingerprint,
+            dtype,
+            tuple(specs),
+            experts=tuple(experts_spec(i, *found) for i, found in enumerate(experts)),
+        )
+        return cls(manifest, weights, device, stacks)
 
     @property
     def manifest(self) -> Manifest:
@@ -91,9 +113,27 @@ class BaseExecutor(Executor):
             return base_forward(w.kind, w.weight, w.bias, x)
         return base_input_grad(w.kind, w.weight, x)
 
+    def call_experts(self, op, experts, hidden, ids, weights, grad_y=None):
+        check_experts_call(self._manifest, op, experts, hidden, ids, weights, grad_y)
+        tensors = [hidden, ids, weights] + ([] if grad_y is None else [grad_y])
+        with torch.autocast(self.device.type, enabled=False):  # as over any transport
+            out = self.run_experts(op, experts, *(t.to(self.device) for t in tensors))
+        return tuple(t.to(hidden.device) for t in out)
+
+    def run_experts(self, op, experts, hidden, ids, weights, grad_y=None):
+        """The math of one (already validated) experts call on this executor's device."""
+        module = self._experts[experts]
+        if hidden.shape[0] == 0:  # nothing routed: the experts' kernels need a token
+            empty = (hidden, weights) if op is Op.EXPERTS_BACKWARD else (hidden,)
+            return tuple(torch.zeros_like(t) for t in empty)
+        if op is Op.EXPERTS_FORWARD:
+            return (experts_forward(module, hidden, ids, weights),)
+        return experts_backward(module, hidden, ids, weights, grad_y)
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor this executor holds (for memory accounting and tests)."""
-        return [t for w in self._weights for t in (w.weight, w.bias) if t is not None]
+        stacks = [p for module in self._experts for p in module.parameters()]
+        return [t for w in self._weights for t in (w.weight, w.bias) if t is not None] + stacks
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weight_tensors())

@@ -6,7 +6,9 @@ own, so neither ever materialises the other's weights (no full load then discard
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +87,9 @@ class KeyMap:
     path: Path
     file_keys: dict[str, str]  # model tensor name -> checkpoint key
     converted: dict[str, list[str]]  # model tensor name -> keys a WeightConverter combines
+    # model tensor name -> (the converter's first target, the converter, (pattern, key) of
+    # each source in load order): what `read_tensor` replays
+    conversions: dict[str, tuple[str, WeightConverter, tuple[tuple[str, str], ...]]]
     checkpoint_keys: tuple[str, ...]
     unused_keys: tuple[str, ...]  # keys that load into no tensor of the model
     saved_names: Callable[[str], str]  # model tensor name -> the key save_pretrained writes
@@ -143,6 +148,8 @@ def _build_key_map(model: PreTrainedModel, checkpoint: Checkpoint) -> KeyMap:
     prefix = model.base_model_prefix
     file_keys: dict[str, str] = {}
     converted: dict[str, list[str]] = {}
+    sources: dict[str, list[tuple[str, str]]] = {}  # first target -> (pattern, key), in order
+    conversions: dict = {}
     unused: list[str] = []
     ordered = sorted(checkpoint.tensor_files, key=dot_natural_key)  # stateful renames need it
     for key in ordered:
@@ -156,17 +163,48 @@ def _build_key_map(model: PreTrainedModel, checkpoint: Checkpoint) -> KeyMap:
             file_keys.setdefault(renamed, key)
             continue
         targets = by_pattern[pattern].target_patterns
+        sources.setdefault(renamed, []).append((pattern, key))
         for target in targets:  # a one-to-many converter fills every target from one key
-            converted.setdefault(renamed.replace(targets[0], target), []).append(key)
+            name = renamed.replace(targets[0], target)
+            converted.setdefault(name, []).append(key)
+            conversions[name] = (renamed, by_pattern[pattern], sources[renamed])
     return KeyMap(
         type(model).__name__,
         checkpoint.path,
         file_keys,
         converted,
+        {n: (first, c, tuple(srcs)) for n, (first, c, srcs) in conversions.items()},
         tuple(ordered),
         tuple(unused),
         _saved_names(model),
     )
+
+
+def read_tensor(
+    model: PreTrainedModel, checkpoint: Checkpoint, name: str, *, device="cpu"
+) -> torch.Tensor:
+    """The model tensor `name` exactly as `from_pretrained` loads it: one checkpoint key,
+    or several keys that transformers' conversion mapping combines (e.g. per-expert
+    `experts.0.up_proj.weight`, ... stacked into one `experts.gate_up_proj`), combined
+    by transformers' own conversion operations."""
+    keys = key_map(model, checkpoint)
+    if name not in keys.conversions:
+        return checkpoint.read(checkpoint_key(model, checkpoint, name), device=device)
+    first, converter, sources = keys.conversions[name]
+    fresh = copy.deepcopy(converter)  # it collects tensors: one instance per target
+    for pattern, key in sources:
+        fresh.collected_tensors[pattern].append(
+            functools.partial(checkpoint.read, key, device=device)
+        )
+    try:
+        tensors = fresh.convert(first, model=model, config=model.config)
+    except Exception as err:  # noqa: BLE001 - any op failing means the same: cannot convert
+        raise CheckpointError(
+            f"{keys.conversion_message(name)} (converting failed: {err})"
+        ) from err
+    if name not in tensors:
+        raise CheckpointError(keys.conversion_message(name))
+    return tensors[name]
 
 
 def _saved_names(model: PreTrainedModel) -> Callable[[str], str]:

@@ -20,6 +20,7 @@ from enum import IntEnum
 import torch
 
 from symbiont.model.layers import LayerSpec
+from symbiont.model.moe import ExpertsSpec
 
 PROTOCOL_VERSION = 2  # 2: named, validated message fields (1: positional arrays)
 
@@ -35,6 +36,14 @@ MAX_FUSED = 3  # layers that may ride along one forward call (q/k/v: 2, gate/up:
 class Op(IntEnum):
     FORWARD = 1  # x [n_tokens, in] -> y [n_tokens, out]
     BACKWARD = 2  # grad_y [n_tokens, out] -> grad_x [n_tokens, in]
+    # Experts (`Executor.call_experts`; `layer` is an experts id): hidden [T, H], ids [T, k],
+    # weights [T, k] -> y [T, H]; backward also takes grad_y [T, H] and returns
+    # grad_hidden [T, H] and grad_weights [T, k] (see symbiont.protocol.experts).
+    EXPERTS_FORWARD = 8
+    EXPERTS_BACKWARD = 9
+
+
+EXPERTS_OPS = frozenset({Op.EXPERTS_FORWARD, Op.EXPERTS_BACKWARD})
 
 
 class ExecutorError(RuntimeError):
@@ -77,17 +86,21 @@ class Manifest:
     dtype: torch.dtype
     layers: tuple[LayerSpec, ...]
     protocol: int = PROTOCOL_VERSION
+    experts: tuple[ExpertsSpec, ...] = ()  # MoE expert stacks (symbiont.model.moe)
 
     def layer_ids(self) -> dict[str, int]:
         return {spec.name: spec.id for spec in self.layers}
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "fingerprint": self.fingerprint,
             "dtype": str(self.dtype).removeprefix("torch."),
             "layers": [spec.to_dict() for spec in self.layers],
             "protocol": self.protocol,
         }
+        if self.experts:  # absent for dense models: what older peers read is unchanged
+            data["experts"] = [spec.to_dict() for spec in self.experts]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
@@ -96,6 +109,7 @@ class Manifest:
             dtype=getattr(torch, data["dtype"]),
             layers=tuple(LayerSpec.from_dict(layer) for layer in data["layers"]),
             protocol=data["protocol"],
+            experts=tuple(ExpertsSpec.from_dict(e) for e in data.get("experts", ())),
         )
 
 
@@ -115,6 +129,24 @@ class Executor(ABC):
 
     def backward(self, layer: int, grad_y: torch.Tensor) -> torch.Tensor:
         return self.call(Op.BACKWARD, layer, grad_y)
+
+    def call_experts(
+        self,
+        op: Op,
+        experts: int,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        grad_y: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run MoE experts stack `experts` on hidden [T, H] routed by ids [T, k] (int64)
+        with weights [T, k]: EXPERTS_FORWARD returns (y [T, H],); EXPERTS_BACKWARD, given
+        grad_y [T, H], returns (grad_hidden [T, H], grad_weights [T, k]), recomputing the
+        forward (nothing is kept between calls)."""
+        raise ExecutorError(
+            f"{type(self).__name__} does not run mixture-of-experts layers; use a "
+            "BaseExecutor or connect() to a serve-base of this symbiont version"
+        )
 
     def close(self) -> None:  # noqa: B027 - transports override; in-process has nothing to free
         """Release connections and buffers; the executor itself keeps serving others."""
@@ -147,6 +179,8 @@ def validate_call(
     None: implied, as in shared memory) in `dtype`, plus the `fused` layers fed the same x (forward only), input and outputs each
     within `max_bytes`. Raises ProtocolError (BAD_CALL or TOO_LARGE) naming the fix."""
     layers = manifest.layers
+    if op in EXPERTS_OPS:
+        raise ProtocolError(Code.BAD_CALL, f"{op.name} is not a base-layer op: use call_experts")
     if type(layer) is not int or not 0 <= layer < len(layers):
         raise ProtocolError(
             Code.BAD_CALL,
