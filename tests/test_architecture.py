@@ -32,9 +32,10 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"protocol"} | BELOW,
     "tenant": {"client", "protocol", "base"} | BELOW,
     "train": {"tenant", "client", "protocol"} | BELOW,
-    "serve": {"tenant", "client", "protocol"} | BELOW,
+    "jobs": {"train", "tenant", "client", "protocol"} | BELOW,
+    "serve": {"jobs", "tenant", "client", "protocol"} | BELOW,
     "processes": {"tenant", "client", "protocol"} | BELOW,
-    "cli": {"processes", "serve", "train", "tenant", "client", "protocol", "base"} | BELOW,
+    "cli": {"processes", "serve", "jobs", "train", "tenant", "client", "protocol", "base"} | BELOW,
     "assets": set(),
     "__main__": {"cli"},
 }

@@ -1,0 +1,106 @@
+"""Priority classes on one base executor: inference calls before fine-tuning calls.
+
+The serving engine and the fine-tuning worker share the executor (in one process: the
+same `BaseExecutor` object, called from two threads). Both kinds of call are wrapped:
+
+- `InferenceExecutor` counts the inference calls in flight (a lock and a counter);
+- `TrainingExecutor` waits, before each fine-tuning call, until no inference call is in
+  flight, for at most `max_wait_s`, so a busy server slows fine-tuning down but never
+  starves it; it also runs a check first (the worker's cancel/stop flag), so a cancel
+  takes effect within one base-layer call.
+
+That is the cheap part of FlexLLM's co-serving: inference goes first whenever both wait,
+at the grain of one base-layer call (the token-level scheduler with a cost model is not
+built; see docs/jobs.md). The counter is read without the lock on the fast path, so a
+fine-tuning call pays nothing while the server is idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from symbiont.client.virt import VirtLayer
+from symbiont.protocol.executor import Executor, Manifest, Op
+
+
+class PriorityGate:
+    def __init__(self, max_wait_s: float = 0.05):
+        self.max_wait_s = max_wait_s
+        self.waited_s = 0.0  # total time fine-tuning calls spent giving way
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    def inference_started(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def inference_done(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+
+    def wait_for_inference(self) -> None:
+        """Block a fine-tuning call while inference calls run (at most max_wait_s)."""
+        if self._in_flight == 0:  # unlocked read: a stale value costs one late yield
+            return
+        started = time.perf_counter()
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout=self.max_wait_s)
+        self.waited_s += time.perf_counter() - started
+
+
+class _Wrapped(Executor):
+    def __init__(self, inner: Executor):
+        self.inner = inner
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.inner.manifest
+
+    def close(self) -> None:
+        """The inner executor belongs to whoever opened it."""
+
+
+class InferenceExecutor(_Wrapped):
+    def __init__(self, inner: Executor, gate: PriorityGate):
+        super().__init__(inner)
+        self.gate = gate
+
+    def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        self.gate.inference_started()
+        try:
+            return self.inner.call(op, layer, x)
+        finally:
+            self.gate.inference_done()
+
+
+class TrainingExecutor(_Wrapped):
+    def __init__(self, inner: Executor, gate: PriorityGate, check: Callable[[], None]):
+        super().__init__(inner)
+        self.gate, self.check = gate, check
+
+    def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        self.check()
+        self.gate.wait_for_inference()
+        return self.inner.call(op, layer, x)
+
+
+def model_executor(model: torch.nn.Module) -> Executor:
+    """The executor the base layers of `model` (a client model) call."""
+    for module in model.modules():
+        if isinstance(module, VirtLayer):
+            executor = module.executor
+            return executor.inner if isinstance(executor, InferenceExecutor) else executor
+    raise ValueError("the model has no base layers on an executor (not a symbiont client)")
+
+
+def give_inference_priority(model: torch.nn.Module, gate: PriorityGate) -> None:
+    """Route every base-layer call of `model` (the serving engine's) through the gate."""
+    for module in model.modules():
+        if isinstance(module, VirtLayer) and not isinstance(module.executor, InferenceExecutor):
+            module.executor = InferenceExecutor(module.executor, gate)
