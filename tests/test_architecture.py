@@ -35,10 +35,12 @@ ALLOWED: dict[str, set[str]] = {
     "jobs": {"train", "tenant", "client", "protocol"} | BELOW,
     "serve": {"jobs", "tenant", "client", "protocol"} | BELOW,
     "processes": {"tenant", "client", "protocol"} | BELOW,
+    "delta": {"model"},  # compressed deltas of full fine-tunes (issue 16)
     "cli": {"processes", "serve", "jobs", "train", "tenant", "client", "protocol", "base"} | BELOW,
     "assets": set(),
     "__main__": {"cli"},
 }
+ALLOWED["cli"] |= {"delta"}  # `symbiont delta` (issue 16)
 
 
 def part_of(path: Path) -> str:
