@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "jobs": {"train", "tenant", "client", "protocol"} | BELOW,
     "serve": {"jobs", "tenant", "client", "protocol"} | BELOW,
     "processes": {"tenant", "client", "protocol"} | BELOW,
-    "delta": {"model"},  # compressed deltas of full fine-tunes (issue 16)
+    "delta": {"model", "util"},  # compressed deltas of full fine-tunes (issue 16)
     "cli": {"processes", "serve", "jobs", "train", "tenant", "client", "protocol", "base"} | BELOW,
     "assets": set(),
     "__main__": {"cli"},

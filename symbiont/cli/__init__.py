@@ -17,7 +17,7 @@ import warnings
 from symbiont.cli.flags import FlagError
 
 # Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ["demo", "finetune", "generate", "serve", "serve-base", "stats"]
+SUBCOMMANDS = ["delta", "demo", "finetune", "generate", "serve", "serve-base", "stats"]
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
