@@ -138,6 +138,22 @@ class ServerConfig:
         default=None,
         metadata={"help": "name of the base model in the API (default: the folder's name)"},
     )
+    jobs_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "folder of the fine-tuning jobs API (SQLite database, uploaded files, "
+            "checkpoints); created if missing; without it, /v1/fine_tuning is off",
+            "metavar": "DIR",
+        },
+    )
+    tenants: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON file of tenants (api_key, limits); every /v1/ request then needs a "
+            "tenant's key, and tenants see only their own files, jobs and models",
+            "metavar": "FILE",
+        },
+    )
     dtype: str | None = field(
         default=None,
         metadata={"help": "float32, bfloat16, float16 (default: the checkpoint's)"},
@@ -163,7 +179,14 @@ class ServerConfig:
                 f"--adapter-dir {self.adapter_dir!r} is not a folder; create it or pass the "
                 "folder that holds the adapters clients may load"
             )
-        if not self.api_key and not self.allow_unauthenticated and not _loopback(self.host):
+        if self.tenants is not None:
+            from symbiont.jobs.tenants import load_tenants
+
+            load_tenants(self.tenants)  # a ValueError names the tenant and field to fix
+        if self.api_key and self.tenants:
+            raise ValueError("--tenants gives each tenant its key; leave out --api-key")
+        authenticated = self.api_key or self.tenants
+        if not authenticated and not self.allow_unauthenticated and not _loopback(self.host):
             raise ValueError(
                 f"host {self.host!r} is reachable from other hosts: pass --api-key KEY so "
                 "that only clients presenting it are served, or --allow-unauthenticated to "

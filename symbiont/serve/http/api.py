@@ -28,6 +28,7 @@ from symbiont.decoding import InvalidSamplingParams, SamplingParams
 from symbiont.serve.adapters import AdapterError, AdapterNotFound
 from symbiont.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
 from symbiont.serve.engine import RequestError
+from symbiont.serve.http.jobs import mount_jobs
 from symbiont.serve.http.metrics import ServeMetrics
 from symbiont.serve.http.protocol import (
     AdapterLoad,
@@ -71,6 +72,8 @@ class ServerState:
     api_key: str | None = None
     adapter_dir: str | None = None  # dynamic adapter loads only from under it
     max_request_bytes: int = 8 * 1024 * 1024
+    jobs_dir: str | None = None  # fine-tuning jobs API (symbiont/serve/http/jobs.py)
+    tenants: str | None = None  # tenants file: keys, limits, isolation (jobs.py)
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None
@@ -144,6 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         return _detokenize(state, body)
 
+    mount_jobs(app, state)  # files, fine-tuning jobs, tenants (outermost middleware)
     return app
 
 

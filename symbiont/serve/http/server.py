@@ -118,6 +118,8 @@ def server_state(config: ServerConfig) -> ServerState:
         api_key=config.api_key,
         adapter_dir=config.adapter_dir,
         max_request_bytes=config.max_request_bytes,
+        jobs_dir=config.jobs_dir,
+        tenants=config.tenants,
     )
 
 

@@ -1,0 +1,409 @@
+"""The fine-tuning jobs API driven by the official `openai` package, with tenants.
+
+One server (tiny Llama, character tokenizer, on 127.0.0.1) serves four tenants; a second
+pair of servers on one jobs dir checks restart and exact resume. Trained adapters are
+checked against vanilla transformers + peft loading the same folder, and a resumed job's
+adapter against an uninterrupted run of the same job, bitwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from symbiont.serve import EngineConfig
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.server import BackgroundServer
+from tests.test_serve_common import Reference, add_char_tokenizer
+
+ENGINE = EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256)
+BASE = "tiny-llama"
+KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key", "dave": "dave-key"}
+TENANTS = {
+    "alice": {"api_key": KEYS["alice"], "max_file_bytes": 4000},
+    "bob": {"api_key": "sha256:" + hashlib.sha256(KEYS["bob"].encode()).hexdigest()},
+    "carol": {"api_key": KEYS["carol"], "requests_per_minute": 3},
+    "dave": {"api_key": KEYS["dave"], "max_concurrent_jobs": 1},
+}
+LORA = {"method": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+
+def chats(n: int, start: int = 0) -> bytes:
+    lines = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}!"}]}
+        for i in range(start, start + n)
+    ]  # fmt: skip
+    return "\n".join(json.dumps(line) for line in lines).encode()
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoints, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("jobs-model") / BASE
+    shutil.copytree(checkpoints("llama"), folder)
+    return add_char_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs-server")
+    (root / "tenants.json").write_text(json.dumps(TENANTS))
+    config = ServerConfig(
+        model=str(model_dir),
+        port=0,
+        engine=ENGINE,
+        jobs_dir=str(root / "jobs"),
+        tenants=str(root / "tenants.json"),
+    )
+    with BackgroundServer(config) as running:
+        yield running
+
+
+def client(server, tenant: str | None) -> openai.OpenAI:
+    key = KEYS[tenant] if tenant else "none"
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def alice(server):
+    return client(server, "alice")
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    return client(server, "bob")
+
+
+def runner_of(server):
+    return server._server.config.app.state.jobs.runner
+
+
+def run_dir(server, job_id: str):
+    return server._server.config.app.state.jobs.store.run_dir(job_id)
+
+
+def wait_for(api: openai.OpenAI, job_id: str, statuses=("succeeded", "failed", "cancelled")):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = api.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {job.status}")
+
+
+def refused(call, *args, **kwargs) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call(*args, **kwargs)
+    return caught.value
+
+
+def upload(api: openai.OpenAI, content: bytes, name: str = "train.jsonl"):
+    return api.files.create(file=(name, content), purpose="fine-tune")
+
+
+def create(api, training_file, **kw):
+    kw.setdefault("hyperparameters", {"n_epochs": 1, "batch_size": 2})
+    extra = {"peft": kw.pop("peft", LORA), **kw.pop("extra", {})}
+    return api.fine_tuning.jobs.create(
+        model=BASE, training_file=training_file, extra_body=extra, **kw
+    )
+
+
+def greedy(api, model: str, prompt: str, n: int = 6) -> str:
+    return (
+        api.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0)
+        .choices[0]
+        .text
+    )
+
+
+def reference_text(model_dir, adapters: dict, adapter: str | None, prompt: str, n: int = 6):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = Reference(model_dir, adapters).generate(tokenizer(prompt).input_ids, adapter, n)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# -- the main path ----------------------------------------------------------------------
+
+
+def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
+    train = upload(alice, chats(6))
+    valid = upload(alice, chats(2, start=10), "valid.jsonl")
+    assert (train.object, train.purpose, train.bytes) == ("file", "fine-tune", len(chats(6)))
+    assert alice.files.content(train.id).content == chats(6)
+    job = create(
+        alice,
+        train.id,
+        validation_file=valid.id,
+        suffix="greeter",
+        hyperparameters={"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 5},
+        extra={"checkpoint_every": 2},
+    )
+    assert job.status == "queued" and job.organization_id == "alice"
+    job = wait_for(alice, job.id)
+    assert job.status == "succeeded", job.error
+    assert "greeter" in job.fine_tuned_model and job.fine_tuned_model.startswith(f"ft:{BASE}:")
+    assert job.trained_tokens > 0 and job.finished_at >= job.created_at
+    assert job.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 2
+
+    events = list(alice.fine_tuning.jobs.list_events(job.id, limit=100))
+    messages = [e.message for e in events]
+    assert messages[-1].startswith("Validating training file")  # newest first
+    assert messages[0].startswith("The job has successfully completed")
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert sorted(m["step"] for m in metrics) == [1, 2, 3, 4, 5, 6]
+    assert "valid_loss" in next(m for m in metrics if m["step"] == 6)
+    steps = [c.step_number for c in alice.fine_tuning.jobs.checkpoints.list(job.id)]
+    assert steps == [6, 4, 2]
+    results = alice.files.content(job.result_files[0]).text.splitlines()
+    assert results[0].startswith("step,train_loss,valid_loss") and len(results) == 7
+
+    # served at once, to its tenant only, exactly as vanilla peft loads the same adapter
+    assert job.fine_tuned_model in [m.id for m in alice.models.list()]
+    assert job.fine_tuned_model not in [m.id for m in bob.models.list()]
+    folder = run_dir(server, job.id)
+    for prompt in ("hi 3", "hello"):
+        want = reference_text(model_dir, {"ft": folder}, "ft", prompt)
+        assert greedy(alice, job.fine_tuned_model, prompt) == want
+    chat = alice.chat.completions.create(
+        model=job.fine_tuned_model, messages=[{"role": "user", "content": "hi 1"}], max_tokens=4
+    )
+    assert chat.model == job.fine_tuned_model and chat.choices[0].message.content is not None
+
+
+def test_other_tenants_see_nothing(server, alice, bob):
+    mine = upload(alice, chats(2))
+    job = create(alice, mine.id)
+    wait_for(alice, job.id)
+    job = alice.fine_tuning.jobs.retrieve(job.id)
+
+    def same_as_missing(call, real: str, fake: str):
+        foreign, missing = refused(call, real), refused(call, fake)
+        assert foreign.status_code == missing.status_code == 404
+        assert foreign.body == json.loads(json.dumps(missing.body).replace(fake, real))
+
+    same_as_missing(bob.files.retrieve, mine.id, "file-0123")
+    same_as_missing(bob.files.content, mine.id, "file-0123")
+    same_as_missing(bob.files.delete, mine.id, "file-0123")
+    same_as_missing(bob.fine_tuning.jobs.retrieve, job.id, "ftjob-0123")
+    same_as_missing(bob.fine_tuning.jobs.cancel, job.id, "ftjob-0123")
+    same_as_missing(lambda j: list(bob.fine_tuning.jobs.list_events(j)), job.id, "ftjob-0123")
+    same_as_missing(lambda j: list(bob.fine_tuning.jobs.checkpoints.list(j)), job.id, "ftjob-0123")
+    model = job.fine_tuned_model
+    same_as_missing(lambda m: greedy(bob, m, "hi"), model, "ft:nobody:x")
+    same_as_missing(
+        lambda m: bob.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}]),
+        model,
+        "ft:nobody:x",
+    )
+    assert mine.id not in [f.id for f in bob.files.list()]
+    assert job.id not in [j.id for j in bob.fine_tuning.jobs.list()]
+    err = refused(create, bob, mine.id)  # a foreign file id, as a missing one
+    assert (err.status_code, err.param) == (404, "training_file")
+    assert err.body == refused(create, bob, "file-0123").body | {"message": err.body["message"]}
+    assert err.message.endswith(f"no file with id '{mine.id}'")
+
+
+def test_keys_and_rate_limits(server):
+    for key in (None, "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        for path in ("/v1/models", "/v1/files", "/v1/fine_tuning/jobs"):
+            response = httpx.get(server.url + path, headers=headers)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+    carol = client(server, "carol")  # 3 requests per minute
+    for _ in range(3):
+        carol.models.list()
+    err = refused(carol.models.list)
+    assert err.status_code == 429 and "requests_per_minute (3)" in err.message
+    assert 1 <= int(err.response.headers["retry-after"]) <= 60
+
+
+def test_cancel_while_the_base_keeps_answering(server, model_dir):
+    dave = client(server, "dave")  # one job at a time
+    long = create(
+        dave, upload(dave, chats(8)).id, hyperparameters={"n_epochs": 50, "batch_size": 1}
+    )
+    wait_for(dave, long.id, ("running",))
+    err = refused(create, dave, upload(dave, chats(2)).id)
+    assert err.status_code == 429 and "max_concurrent_jobs" in err.message
+    assert int(err.response.headers["retry-after"]) >= 1
+    # inference goes on while the job trains
+    assert greedy(dave, BASE, "hi 2") == reference_text(model_dir, {}, None, "hi 2")
+    started = time.monotonic()
+    cancelled = dave.fine_tuning.jobs.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    runner = runner_of(server)
+    while runner.current == long.id:
+        time.sleep(0.01)
+    assert time.monotonic() - started < 5, "the worker kept training a cancelled job"
+    assert "Job cancelled" in [e.message for e in dave.fine_tuning.jobs.list_events(long.id)]
+    assert dave.fine_tuning.jobs.retrieve(long.id).status == "cancelled"
+    err = refused(dave.fine_tuning.jobs.cancel, long.id)
+    assert err.status_code == 400 and "already been cancelled" in err.message
+    again = create(dave, upload(dave, chats(2)).id)  # admitted again
+    dave.fine_tuning.jobs.cancel(again.id)
+
+
+def test_a_failing_job_ends_failed_and_the_rest_go_on(server, bob, model_dir):
+    blocker = create(
+        bob, upload(bob, chats(8)).id, hyperparameters={"n_epochs": 50, "batch_size": 1}
+    )
+    doomed_file = upload(bob, chats(3))
+    doomed = create(bob, doomed_file.id)
+    # the stored file vanishes behind the API's back (disk trouble) before the job runs
+    server._server.config.app.state.jobs.store.file_path(doomed_file.id).unlink()
+    bob.fine_tuning.jobs.cancel(blocker.id)
+    job = wait_for(bob, doomed.id)
+    assert job.status == "failed"
+    assert job.error.code == "invalid_training_file" and job.error.param == "training_file"
+    assert "is gone" in job.error.message
+    event = next(iter(bob.fine_tuning.jobs.list_events(job.id)))
+    assert event.level == "error" and "The job failed" in event.message
+    after = wait_for(bob, create(bob, upload(bob, chats(2)).id).id)
+    assert after.status == "succeeded"
+    assert greedy(bob, BASE, "hi 2") == reference_text(model_dir, {}, None, "hi 2")
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+def test_bad_uploads_name_line_and_problem(alice):
+    before = [f.id for f in alice.files.list()]
+    cases = [
+        (b"", 400, "file", "train.jsonl is empty"),
+        (chats(1) + b"\n{oops", 400, "file", "train.jsonl line 2: not valid JSON"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}]}',
+            400,
+            "file",
+            "line 1: no assistant turn",
+        ),
+        (chats(200), 413, "file", "larger than this tenant's max_file_bytes (4000 bytes)"),
+    ]
+    for content, status, param, message in cases:
+        err = refused(upload, alice, content)
+        assert (err.status_code, err.param) == (status, param) and message in err.message
+    err = refused(alice.files.create, file=("x.jsonl", chats(1)), purpose="batch")
+    assert (err.status_code, err.param) == (400, "purpose") and "must be 'fine-tune'" in err.message
+    assert [f.id for f in alice.files.list()] == before, "a refused upload left a file"
+
+
+def test_bad_job_requests_name_the_field(alice):
+    good = upload(alice, chats(2)).id
+    long = upload(alice, json.dumps({"prompt": "x" * 150, "completion": "y"}).encode()).id
+    before = [j.id for j in alice.fine_tuning.jobs.list()]
+    cases = [
+        ({"model": "gpt-4o"}, 404, "model", "'gpt-4o' cannot be fine-tuned here"),
+        ({"training_file": "file-missing"}, 404, "training_file", "no file with id 'file-missing'"),
+        ({"validation_file": "file-missing"}, 404, "validation_file", "no file with id"),
+        (
+            {"training_file": long},
+            400,
+            "training_file",
+            f"{long} line 1: 152 tokens, longer than the model's context (128 tokens)",
+        ),
+        ({"hyperparameters": {"n_epochs": 0}}, 400, "hyperparameters.n_epochs", "[1, 50], got 0"),
+        ({"hyperparameters": {"batch_size": 10**6}}, 400, "hyperparameters.batch_size", "[1, 256]"),
+        (
+            {"hyperparameters": {"learning_rate_multiplier": 0}},
+            400,
+            "hyperparameters.learning_rate_multiplier",
+            "(0, 10], got 0",
+        ),
+        ({"suffix": "no spaces"}, 400, "suffix", "letters, digits"),
+        (
+            {"extra_body": {"peft": {"method": "prefix"}}},
+            400,
+            "peft.method",
+            "server batches only lora, ia3",
+        ),
+        (
+            {"extra_body": {"peft": {"r": 128}}},
+            400,
+            "peft.r",
+            "above this server's max_lora_rank (64)",
+        ),
+        (
+            {"extra_body": {"peft": {"target_modules": ["nope"]}}},
+            400,
+            "peft.target_modules",
+            "'nope' is not a servable layer",
+        ),
+        (
+            {"extra_body": {"peft": {"target_modules": ["lm_head"]}}},
+            400,
+            "peft.target_modules",
+            "'lm_head' is not a servable layer",
+        ),
+    ]
+    for changes, status, param, message in cases:
+        body = {"model": BASE, "training_file": good, **changes}
+        err = refused(alice.fine_tuning.jobs.create, **body)
+        assert (err.status_code, err.param) == (status, param), (changes, err.message)
+        assert message in err.message, (changes, err.message)
+    assert [j.id for j in alice.fine_tuning.jobs.list()] == before, "a refused job was created"
+
+
+def test_file_in_use_cannot_be_deleted(alice):
+    used = upload(alice, chats(8)).id
+    job = create(alice, used, hyperparameters={"n_epochs": 50, "batch_size": 1})
+    err = refused(alice.files.delete, used)
+    assert err.status_code == 409 and job.id in err.message
+    alice.fine_tuning.jobs.cancel(job.id)
+    assert alice.files.delete(used).deleted
+    assert refused(alice.files.retrieve, used).status_code == 404
+
+
+# -- durability -------------------------------------------------------------------------
+
+
+def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
+    """A job interrupted mid-run (its worker stopped between checkpoints, as by kill -9)
+    resumes after a restart and ends with the adapter of an uninterrupted run, bitwise."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, jobs_dir=str(tmp_path))
+    spec = {"hyperparameters": {"n_epochs": 3, "batch_size": 2}, "extra": {"checkpoint_every": 3}}
+    with BackgroundServer(config) as first:
+        api = client(first, None)
+        data = upload(api, chats(8))
+        done = wait_for(api, create(api, data.id, suffix="first").id)
+        reached = threading.Event()
+        runner = runner_of(first)
+        runner.step_hook = lambda job_id, step: step == 7 and reached.set()
+        interrupted = create(api, data.id, **spec)
+        assert reached.wait(60), "the job never reached step 7"
+    with BackgroundServer(config) as second:  # the same jobs dir
+        api = client(second, None)
+        assert api.files.retrieve(data.id).bytes == len(chats(8))
+        assert api.fine_tuning.jobs.retrieve(done.id).status == "succeeded"
+        assert done.fine_tuned_model in [m.id for m in api.models.list()]
+        assert greedy(api, done.fine_tuned_model, "hi 1") == reference_text(
+            model_dir, {"ft": run_dir(second, done.id)}, "ft", "hi 1"
+        )
+        uninterrupted = create(api, data.id, **spec)
+        resumed = wait_for(api, interrupted.id)
+        assert resumed.status == "succeeded", resumed.error
+        assert wait_for(api, uninterrupted.id).status == "succeeded"
+        messages = [e.message for e in api.fine_tuning.jobs.list_events(interrupted.id, limit=100)]
+        assert "Resumed after a restart" in messages
+        assert (
+            resumed.trained_tokens == api.fine_tuning.jobs.retrieve(uninterrupted.id).trained_tokens
+        )
+        a = load_file(run_dir(second, interrupted.id) / "adapter_model.safetensors")
+        b = load_file(run_dir(second, uninterrupted.id) / "adapter_model.safetensors")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+        steps = [c.step_number for c in api.fine_tuning.jobs.checkpoints.list(interrupted.id)]
+        assert steps == [12, 9, 6, 3]
