@@ -10,15 +10,52 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 from symbiont.protocol.executor import Executor
 
 log = logging.getLogger(__name__)
 
 
-def open_executor(model_dir, url: str | None = None, *, device="cpu", dtype=None) -> Executor:
+def open_executor(
+    model_dir,
+    url: str | Sequence[str] | None = None,
+    *,
+    device="cpu",
+    dtype=None,
+    mask_activations: str | bool | None = None,
+) -> Executor:
     """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
-    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None."""
+    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None.
+
+    mask_activations 'pool' wraps it so every call is masked; 'shares' takes two URLs
+    (`serve-base`s of parties that do not collude) and splits every call between them
+    (docs/privacy.md)."""
+    from symbiont.client.masking import MaskMode, mask_config, mask_executors
+
+    urls = (url,) if url is None or isinstance(url, str) else tuple(url)
+    config = mask_config(mask_activations)  # refuses an unknown mode before connecting
+    if len(urls) > 1 and (config is None or config.mode is not MaskMode.SHARES):
+        raise ValueError(
+            f"{len(urls)} executor URLs given; several executors are only used by "
+            "--mask-activations shares (two serve-base run by parties that do not collude)"
+        )
+    if config is not None and config.mode is MaskMode.SHARES and len(urls) != 2:
+        raise ValueError(
+            "--mask-activations shares needs two executors run by parties that do not "
+            f"collude, got {'none' if urls == (None,) else len(urls)}: pass "
+            "--executor URL_A --executor URL_B"
+        )
+    executors = [_open_one(model_dir, one, device=device, dtype=dtype) for one in urls]
+    try:
+        return mask_executors(model_dir, tuple(executors), config, device=device)
+    except BaseException:
+        for executor in executors:
+            executor.close()
+        raise
+
+
+def _open_one(model_dir, url: str | None, *, device, dtype) -> Executor:
     if url is None:
         from symbiont.base.executor import BaseExecutor
 

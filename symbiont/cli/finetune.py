@@ -57,8 +57,20 @@ def _add_model_flags(parser) -> None:
     group.add_argument(
         "--executor",
         metavar="URL",
+        action="append",
         help="address of a running `symbiont serve-base` (e.g. tcp://127.0.0.1:7100); "
+        "twice with --mask-activations shares; "
         "default: load the base executor in this process",
+    )
+
+    group.add_argument(
+        "--mask-activations",
+        choices=("pool", "shares"),
+        default=None,
+        help="hide activations and gradients from the executor: 'pool' masks every call "
+        "with a fresh combination of pooled noises (one executor); 'shares' splits every "
+        "call between two executors of parties that do not collude (give --executor "
+        "twice); see docs/privacy.md (default: no masking)",
     )
     group.add_argument(
         "--dtype",
@@ -190,7 +202,9 @@ def run(args) -> int:
     prepare_out(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     set_threads(args.threads)
     model_dir = resolve_model(args.model)
-    executor = open_executor(model_dir, args.executor, dtype=args.dtype)
+    executor = open_executor(
+        model_dir, args.executor, dtype=args.dtype, mask_activations=args.mask_activations
+    )
     try:
         model, tokenizer = open_client(model_dir, executor, dtype=args.dtype)
         examples = load_examples(args.data, tokenizer, config.max_length)

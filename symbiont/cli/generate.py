@@ -38,8 +38,20 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--executor",
         metavar="URL",
+        action="append",
         help="address of a running `symbiont serve-base` (e.g. tcp://127.0.0.1:7100); "
+        "twice with --mask-activations shares; "
         "default: load the base executor in this process",
+    )
+
+    parser.add_argument(
+        "--mask-activations",
+        choices=("pool", "shares"),
+        default=None,
+        help="hide activations and gradients from the executor: 'pool' masks every call "
+        "with a fresh combination of pooled noises (one executor); 'shares' splits every "
+        "call between two executors of parties that do not collude (give --executor "
+        "twice); see docs/privacy.md (default: no masking)",
     )
     parser.add_argument(
         "--adapter", metavar="DIR", help="PEFT adapter folder, as save_pretrained writes it"
@@ -125,7 +137,9 @@ def run(args) -> int:
     args.model = resolve_model(args.model)
     settings = settings_from(args)
     text = _read_prompt(args)
-    executor = open_executor(args.model, args.executor, dtype=args.dtype)
+    executor = open_executor(
+        args.model, args.executor, dtype=args.dtype, mask_activations=args.mask_activations
+    )
     try:
         model, tokenizer = open_client(
             args.model, executor, device=args.device or "cpu", dtype=args.dtype

@@ -7,9 +7,12 @@ import os
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from symbiont.client.experts import make_virt_experts
+from symbiont.client.masking import MaskConfig, mask_executors
 from symbiont.client.virt import make_virt_layer
 from symbiont.model.checkpoint import Checkpoint, CheckpointError
 from symbiont.model.layers import find_base_layers, spec_of
+from symbiont.model.moe import experts_spec, find_experts
 from symbiont.model.skeleton import (
     build_skeleton,
     checkpoint_key,
@@ -22,11 +25,12 @@ from symbiont.protocol.executor import PROTOCOL_VERSION, Executor, ExecutorError
 
 def load_client(
     path: str | os.PathLike,
-    executor: Executor,
+    executor: Executor | tuple[Executor, Executor],
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     local_lm_head: bool = False,
+    mask_activations: bool | str | MaskConfig | None = None,
 ) -> PreTrainedModel:
     """The checkpoint's causal LM with every nn.Linear/Conv1D served by `executor`.
 
@@ -38,7 +42,12 @@ def load_client(
     trainers that read `lm_head.weight` directly (TRL's SFTTrainer computes its loss
     with a fused, chunked LM head). Free when the head is tied to the input
     embeddings, which the client holds anyway; otherwise it costs vocab x hidden.
+
+    mask_activations: 'pool' (or True) masks every call so the executor cannot read the
+    activations; 'shares' splits each call between two executors of parties that do
+    not collude (pass `executor` as a pair). See docs/privacy.md.
     """
+    executor = mask_executors(path, executor, mask_activations, device=device)
     checkpoint = Checkpoint.open(path)
     manifest = executor.manifest
     _check_same_base(checkpoint, manifest)
@@ -47,6 +56,7 @@ def load_client(
     model = build_skeleton(checkpoint.config, dtype)
     keep = {model.get_output_embeddings()} if local_lm_head else set()
     _replace_base_layers(model, executor, dtype, device, keep=keep)
+    _replace_experts(model, executor, dtype, device)
     _load_client_tensors(model, checkpoint, dtype, device)
     _materialise_computed_buffers(model, device)
     _attach_generation_config(model, checkpoint)
@@ -82,6 +92,22 @@ def _replace_base_layers(model, executor: Executor, dtype, device, keep) -> None
             )
         owner, leaf = owner_of(model, name)
         setattr(owner, leaf, make_virt_layer(module, executor, local, dtype, device))
+
+
+def _replace_experts(model, executor: Executor, dtype, device) -> None:
+    """Each MoE experts stack becomes a VirtExperts: its weights stay on the executor."""
+    served = {spec.name: spec for spec in executor.manifest.experts}
+    for name, module, after in find_experts(model):
+        spec = served.get(name)
+        if spec is None or experts_spec(spec.id, name, module, after) != spec:
+            why = "serves no experts" if spec is None else f"serves {name} as {spec}"
+            raise ExecutorError(
+                f"{type(model).__name__} has a mixture-of-experts stack {name}, but the "
+                f"executor {why}: start serve-base with this symbiont version and the same "
+                "checkpoint and transformers version as the client"
+            )
+        owner, leaf = owner_of(model, name)
+        setattr(owner, leaf, make_virt_experts(module, executor, spec, dtype, device))
 
 
 def _load_client_tensors(model, checkpoint: Checkpoint, dtype, device) -> None:
