@@ -34,7 +34,9 @@ def model_dir(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
-    return make_adapters(model_dir, tmp_path_factory.mktemp("adapters"))
+    # in a subfolder of --adapter-dir: the folder's own direct subfolders are served by
+    # name (tests/test_adapter_dir_api.py); these are loaded by name or by path only
+    return make_adapters(model_dir, tmp_path_factory.mktemp("adapters") / "pool")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def server(model_dir, adapters):
         adapters=preloaded,
         port=0,
         engine=ENGINE,
-        adapter_dir=str(adapters["lora4"].parent),  # POST /v1/adapters loads from here
+        adapter_dir=str(adapters["lora4"].parent.parent),  # POST /v1/adapters loads from here
     )
     with BackgroundServer(config) as running:
         yield running

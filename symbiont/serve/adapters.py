@@ -193,6 +193,14 @@ class AdapterRegistry:
 
     def parse(self, path: str | os.PathLike) -> AdapterWeights:
         """Read and validate a PEFT adapter folder against this model and config."""
+        spec = self.inspect(path)
+        tensors = spec.load_tensors()
+        modules = self._modules_of(spec, tensors)
+        return AdapterWeights(str(spec.path), spec.method, modules)
+
+    def inspect(self, path: str | os.PathLike) -> AdapterSpec:
+        """Config and weight headers of a PEFT adapter folder, checked against this model
+        and config without reading the weights (cheap: what a folder scan runs)."""
         spec = read_adapter(path)
         if spec.method not in SERVED_METHODS:
             raise AdapterError(
@@ -201,9 +209,7 @@ class AdapterRegistry:
             )
         _refuse_unsupported(spec)
         self._check_targets(spec)
-        tensors = spec.load_tensors()
-        modules = self._modules_of(spec, tensors)
-        return AdapterWeights(str(spec.path), spec.method, modules)
+        return spec
 
     def _check_targets(self, spec: AdapterSpec) -> None:
         unserved = sorted(set(spec.modules) & self._unservable)
@@ -256,13 +262,14 @@ class AdapterRegistry:
     # -- slots ------------------------------------------------------------------------
 
     def add(self, name: str, weights: AdapterWeights) -> int:
-        """Place parsed weights in a free slot under `name`; returns the slot."""
+        """Place parsed weights in a free slot under `name`; returns the slot. Names made
+        by `cached_key` belong to the adapter cache and are not listed by `names`."""
         if name in self._by_name and not self._by_name[name].unloading:
             raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
         if not self._free:
             raise AdapterError(
                 f"all {self.config.max_adapters} adapter slots are in use; unload an adapter "
-                "or restart with a larger --max-adapters"
+                "or restart with a larger --max-loras"
             )
         slot = self._free.pop()
         for module_name, module_weights in weights.modules.items():
@@ -321,7 +328,13 @@ class AdapterRegistry:
     # -- introspection ----------------------------------------------------------------
 
     def names(self) -> list[str]:
-        return sorted(self._by_name)
+        """Adapters loaded by name (`--adapter`, POST /v1/adapters), not the cache's."""
+        return sorted(n for n in self._by_name if not n.startswith(CACHED_PREFIX))
+
+    def users(self, name: str) -> int:
+        """Running sequences holding `name`'s slot (0 if it is not loaded)."""
+        resident = self._by_name.get(name)
+        return 0 if resident is None else resident.users
 
     def info(self, name: str) -> dict:
         resident = self._by_name.get(name)
@@ -344,6 +357,15 @@ class AdapterRegistry:
     @property
     def num_loaded(self) -> int:
         return len(self._by_name)
+
+
+# Registry names of adapters the cache places in slots: a NUL never appears in a served
+# name, so these never collide with adapters loaded by name.
+CACHED_PREFIX = "\0cache/"
+
+
+def cached_key(name: str) -> str:
+    return CACHED_PREFIX + name
 
 
 def adapter_batch(token_slots: torch.Tensor, registry: AdapterRegistry) -> AdapterBatch:

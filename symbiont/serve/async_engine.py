@@ -65,14 +65,20 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="symbiont-engine", daemon=True)
 
     def start(self) -> AsyncEngine:
+        if self.engine.cache is not None:
+            self.engine.cache.wake = self._wake  # a finished adapter load wakes the thread
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
-        self._commands.put((lambda: None, Future()))  # wake the thread
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()
+
+    def _wake(self) -> None:
+        self._commands.put((lambda: None, Future()))
 
     @property
     def alive(self) -> bool:
@@ -129,7 +135,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._run_commands(block=not self.engine.has_work())
+                # nothing to run, or only requests whose adapters are loading: sleep until
+                # a command or a finished load wakes us (a timeout as a safety net)
+                idle = not self.engine.has_work()
+                self._run_commands(block=idle or self.engine.stalled, timeout=0.5 if idle else 0.05)
                 if self.engine.has_work():
                     for output in self.engine.step():
                         self._deliver(output)
@@ -166,9 +175,11 @@ class AsyncEngine:
             else:
                 _settle(fn, future)
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            fn, future = (
+                self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

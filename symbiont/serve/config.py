@@ -5,9 +5,24 @@ command's flags (help text in their metadata, read by `symbiont.cli.flags`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from symbiont.protocol.urls import is_loopback
+
+
+class CachePolicy(StrEnum):
+    """Which cached adapter leaves a tier first (`symbiont.serve.adapter_cache`)."""
+
+    COST = "cost"  # Chameleon: lowest F*frequency + R*recency + S*size
+    LRU = "lru"  # least recently used
+
+
+class SchedulerPolicy(StrEnum):
+    """Order in which waiting requests are admitted (`symbiont.serve.mlq`)."""
+
+    FIFO = "fifo"  # arrival order
+    MLQ = "mlq"  # Chameleon's multi-level queues by weighted request size
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +45,12 @@ class EngineConfig:
         default=1024, metadata={"help": "KV-cache blocks shared by all sequences"}
     )
     max_adapters: int = field(
-        default=32, metadata={"help": "adapters resident at once (no adapter is extra)"}
+        default=32,
+        metadata={
+            "help": "adapters resident in the batched weight stacks at once (no adapter is "
+            "extra); --adapter-dir adapters beyond it wait in host memory or on disk",
+            "flag": "--max-loras",
+        },
     )
     max_lora_rank: int = field(
         default=64, metadata={"help": "largest LoRA rank served (lower ranks are zero-padded)"}
@@ -38,6 +58,39 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "prompt + output tokens per sequence (default: the model's limit)"},
+    )
+    host_cache_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "bytes of --adapter-dir adapters kept in host memory (0: follow idle "
+            "memory, half of what the OS reports available, re-read on every load)"
+        },
+    )
+    cache_policy: CachePolicy = field(
+        default=CachePolicy.COST,
+        metadata={
+            "help": "eviction of --adapter-dir adapters: cost (Chameleon's score of frequency, "
+            "recency and size) or lru"
+        },
+    )
+    scheduler: SchedulerPolicy = field(
+        default=SchedulerPolicy.FIFO,
+        metadata={
+            "help": "admission order: fifo, or mlq (Chameleon's queues by weighted request "
+            "size: small requests first, large ones never starve)"
+        },
+    )
+    mlq_slo_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "time-to-first-token objective the mlq queue quotas aim at",
+            "flag": "--mlq-slo-ms",
+            "scale": 1e-3,
+        },
+    )
+    mlq_refresh_s: float = field(
+        default=300.0,
+        metadata={"help": "seconds between recomputing the mlq queues from recent requests"},
     )
 
     def __post_init__(self) -> None:
@@ -51,6 +104,18 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(
+                f"EngineConfig.host_cache_bytes must be >= 0 (0 follows idle memory), got "
+                f"{self.host_cache_bytes}"
+            )
+        if self.mlq_slo_s <= 0 or self.mlq_refresh_s <= 0:
+            raise ValueError(
+                f"EngineConfig.mlq_slo_s and mlq_refresh_s must be > 0, got {self.mlq_slo_s} "
+                f"and {self.mlq_refresh_s}"
+            )
+        object.__setattr__(self, "cache_policy", CachePolicy(self.cache_policy))
+        object.__setattr__(self, "scheduler", SchedulerPolicy(self.scheduler))
         if self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
         if self.max_batched_tokens < self.max_running:
@@ -129,8 +194,9 @@ class ServerConfig:
     adapter_dir: str | None = field(
         default=None,
         metadata={
-            "help": "folder that POST /v1/adapters may load adapters from (paths are resolved, "
-            "symlinks followed, and must lie under it); without it, loads by path are refused",
+            "help": "folder of adapters: each subfolder holding a PEFT adapter is served under "
+            "its folder name, loaded on first use; POST /v1/adapters may load only from under "
+            "it (paths resolved, symlinks followed); without it, loads by path are refused",
             "metavar": "DIR",
         },
     )

@@ -15,6 +15,12 @@ top-p), as vLLM returns by default. A request with `max_tokens` 0 (and
 `Engine` is synchronous and single-threaded: `add_request`, `step`, `abort`,
 `load_adapter`, `unload_adapter` must be called from one thread (`AsyncEngine` owns
 that thread when serving).
+
+Adapters come two ways: loaded by name (`load_adapter`: `--adapter`, POST
+/v1/adapters), pinned in a slot until unloaded; or from a folder (`attach_adapter_dir`:
+`--adapter-dir`), served through the `AdapterCache` (disk, host, resident tiers), loaded
+on first use off this thread and placed in a slot when the scheduler admits a request.
+A name loaded by name shadows the folder's adapter of that name.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from symbiont.decoding import (
     sample,
     token_logprobs,
 )
+from symbiont.serve.adapter_cache import AdapterCache
 from symbiont.serve.adapters import AdapterRegistry, AdapterWeights
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.kv_cache import PagedKVCache
@@ -70,10 +77,13 @@ class Engine:
         self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, device)
         self.adapters = AdapterRegistry(model, self.config)
         self.runner = ModelRunner(model, self.kv_cache, self.adapters)
-        self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
+        self.scheduler = make_scheduler(self.config, self.kv_cache, self.max_model_len)
         eos = eos_token_ids(model, tokenizer)
         self.output = OutputProcessor(eos, self.max_model_len, observer or EngineObserver())
         self.requests: dict[str, Request] = {}
+        self.stalled = False  # the last step found nothing to run (adapters loading)
+        self.cache: AdapterCache | None = None
+        self._failures_seen = 0  # cache.failures already turned into failed requests
 
     @classmethod
     def from_pretrained(
@@ -111,8 +121,21 @@ class Engine:
     @observer.setter
     def observer(self, observer: EngineObserver) -> None:
         self.output.observer = observer
+        if self.cache is not None:
+            self.cache.observer = observer
 
     # -- adapters ---------------------------------------------------------------------
+
+    def attach_adapter_dir(self, root: str | os.PathLike) -> AdapterCache:
+        """Serve every adapter folder under `root` by its folder name (scanned now)."""
+        self.cache = AdapterCache(self.adapters, root, self.config, self.observer)
+        self.cache.scan()
+        self.scheduler.cache = self.cache
+        return self.cache
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
 
     def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterWeights:
         weights = self.adapters.parse(path)
@@ -129,15 +152,29 @@ class Engine:
         if request.request_id in self.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", "id")
         self._validate(request)
-        slot = self.adapters.acquire(request.adapter) if request.adapter else 0
+        name, cached = request.adapter, self._from_folder(request.adapter)
+        slot, rank = 0, 0
+        if cached:
+            self.cache.reserve(name)  # starts the load (prefetch) if it is on disk
+            rank = self.cache.lookup(name).rank
+        elif name:
+            slot = self.adapters.acquire(name)
+            rank = self.adapters.info(name)["rank"]
         request.sequences = [self._sequence(request, i, slot) for i in range(request.params.n)]
+        for seq in request.sequences:
+            seq.cached_adapter, seq.adapter_rank = (name if cached else None), rank
         request.prompt_logprobs = None if request.params.prompt_logprobs is None else [None]
         try:
             self.scheduler.add(request.sequences)
         except Exception:
-            self._release(slot)
+            self._release_adapter(request)
             raise
         self.requests[request.request_id] = request
+        self.output.observer.on_request(name)
+
+    def _from_folder(self, name: str | None) -> bool:
+        """Whether `name` is served by the adapter cache (not loaded by name)."""
+        return bool(name) and self.cache is not None and name not in self.adapters.names()
 
     def _validate(self, request: Request) -> None:
         prompt, params = request.prompt_ids, request.params
@@ -184,9 +221,29 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration over everything scheduled; returns what changed."""
+        failed = self._fail_unloadable()
         scheduled = self.scheduler.schedule()
+        self.stalled = not scheduled
         if not scheduled:
+            return failed
+        return failed + self._run(scheduled)
+
+    def _fail_unloadable(self) -> list[RequestOutput]:
+        """Fail the waiting requests whose folder adapter failed to load."""
+        if self.cache is None or self.cache.failures == self._failures_seen:
             return []
+        self._failures_seen = self.cache.failures
+        bad = self.cache.failed_names()
+        doomed = {s.request_id for s in self.scheduler.waiting if s.cached_adapter in bad}
+        outputs = []
+        for request_id in doomed:
+            request = self.requests[request_id]
+            name = request.adapter
+            reason = self.cache.lookup(name).reason if self.cache.lookup(name) else "unknown"
+            outputs.append(self._fail(request, f"adapter {name!r} cannot be served: {reason}"))
+        return outputs
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         sampling = [item.seq for item in scheduled if item.samples]
         try:
             logits = self.runner.run(scheduled)
@@ -252,8 +309,23 @@ class Engine:
     def _retire(self, request: Request, deltas=()) -> RequestOutput:
         """A finished request leaves the engine and gives its adapter slot back."""
         self.requests.pop(request.request_id, None)
-        self._release(request.sequences[0].adapter_slot if request.sequences else 0)
+        self._release_adapter(request)
         return request_output(request, tuple(deltas), finished=True)
+
+    def _release_adapter(self, request: Request) -> None:
+        """Give back the request's adapter: its pinned slot, or its cached adapter's
+        reference and each sequence's slot."""
+        seqs = request.sequences
+        if not seqs:
+            return
+        name = seqs[0].cached_adapter
+        if name is None:
+            self._release(seqs[0].adapter_slot)
+            return
+        for seq in seqs:
+            self._release(seq.adapter_slot)
+            seq.adapter_slot = 0
+        self.cache.release(name)
 
     def _release(self, slot: int) -> None:
         if slot:
@@ -292,10 +364,23 @@ class Engine:
             self.add_request(request)
         while not all(r.finished for r in requests):
             self.step()
+            if self.stalled:
+                time.sleep(0.001)  # adapters loading on another thread
         failed = [r.error for r in requests if r.error]
         if failed:
             raise RuntimeError(f"generation failed: {failed[0]}")
         return [r.sequences[0].output_ids for r in requests]
+
+
+def make_scheduler(config: EngineConfig, kv_cache: PagedKVCache, max_model_len: int) -> Scheduler:
+    """The scheduler `config.scheduler` names."""
+    from symbiont.serve.config import SchedulerPolicy
+
+    if config.scheduler is SchedulerPolicy.MLQ:
+        from symbiont.serve.mlq import MLQScheduler
+
+        return MLQScheduler(config, kv_cache, max_model_len)
+    return Scheduler(config, kv_cache, max_model_len)
 
 
 def _sampled_logprobs(

@@ -27,6 +27,18 @@ class EngineObserver:
 
     def on_tokens(self, n: int) -> None: ...
 
+    def on_request(self, adapter: str | None) -> None:
+        """A request was queued for `adapter` (None: the base model)."""
+
+    def on_adapter_cache(self, tier: str, hit: bool) -> None:
+        """A request found its adapter in `tier` ("resident", "host") or not."""
+
+    def on_adapter_load(self, seconds: float, ok: bool) -> None:
+        """An adapter was read from disk into host memory (or failed to be)."""
+
+    def on_adapter_evict(self, tier: str) -> None:
+        """An adapter left `tier` ("resident": its slot; "host": host memory)."""
+
 
 class OutputProcessor:
     def __init__(self, eos_ids: frozenset[int], max_model_len: int, observer: EngineObserver):

@@ -1,16 +1,26 @@
 """Iteration-level scheduling with chunked prefill (Orca, Sarathi; FlexLLM 6.2).
 
 Every iteration: each running sequence that is decoding gets one token, then prefills
-(running ones first, then newly admitted ones in arrival order) get chunks of what is
+(running ones first, then newly admitted ones in admission order) get chunks of what is
 left of the token budget. A sequence is admitted only when KV blocks for its prompt
 and all of its `max_tokens` can be reserved, so a running sequence is never preempted.
+
+`Scheduler` admits in arrival order (FIFO); `symbiont.serve.mlq.MLQScheduler` orders
+admission by Chameleon's queues. Both stop at the first sequence that does not fit (no
+running room or KV blocks), so a large request is not overtaken forever. A sequence whose
+`--adapter-dir` adapter is still loading is skipped (others go on meanwhile); one that
+needs a slot when every slot is in use by running sequences stops the admission of
+other folder adapters until a slot frees, so it cannot starve behind popular ones.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 
+from symbiont.serve.adapter_cache import AdapterCache, Placement
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.sequence import SeqStatus, Sequence
@@ -50,13 +60,27 @@ class ScheduledSeq:
         return range(self.start, min(self.start + self.n_tokens, seq.prompt_len - 1))
 
 
+class Admit(Enum):
+    OK = "ok"
+    NO_ROOM = "no_room"  # no running room or KV blocks: admission stops here
+    WAIT = "wait"  # its adapter is not resident yet: skipped this iteration
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: PagedKVCache, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache: PagedKVCache,
+        max_model_len: int,
+        cache: AdapterCache | None = None,
+    ):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.cache = cache  # adapters of --adapter-dir, placed in slots at admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._slot_blocked = False  # this iteration, a folder adapter found no slot
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.waiting) + len(seqs) > self.config.max_queue:
@@ -74,22 +98,54 @@ class Scheduler:
             if seq.num_pending > 1 and budget > 0:
                 batch.append(ScheduledSeq(seq, min(seq.num_pending, budget)))
                 budget -= batch[-1].n_tokens
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
-            seq = self.waiting.popleft()
-            batch.append(ScheduledSeq(seq, min(seq.num_pending, budget)))
-            budget -= batch[-1].n_tokens
+        self._slot_blocked = False
+        self.admit_waiting(batch, budget)
         return batch
 
-    def _admit(self, seq: Sequence) -> bool:
+    def admit_waiting(self, batch: list[ScheduledSeq], budget: int) -> int:
+        """Admit waiting sequences in arrival order into `batch`; -> the budget left."""
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            verdict = self.try_admit(seq)
+            if verdict is Admit.NO_ROOM:
+                break
+            if verdict is Admit.OK:
+                budget = self.start(seq, batch, budget)
+        return budget
+
+    def start(self, seq: Sequence, batch: list[ScheduledSeq], budget: int) -> int:
+        """Schedule the first chunk of a just-admitted sequence; -> the budget left."""
+        batch.append(ScheduledSeq(seq, min(seq.num_pending, budget)))
+        return budget - batch[-1].n_tokens
+
+    def try_admit(self, seq: Sequence) -> Admit:
+        """Move `seq` from waiting to running if there is room and its adapter is resident."""
         if len(self.running) >= self.config.max_running:
-            return False
+            return Admit.NO_ROOM
         need = self.kv_cache.blocks_for(self.reserved_len(seq))
         if not self.kv_cache.allocator.can_allocate(need):
-            return False
+            return Admit.NO_ROOM
+        if not self._place_adapter(seq):
+            return Admit.WAIT
         seq.blocks = self.kv_cache.allocator.allocate(need)
         seq.status = SeqStatus.RUNNING
+        seq.admitted_at = time.monotonic()
         self.running.append(seq)
-        return True
+        self.waiting.remove(seq)
+        return Admit.OK
+
+    def _place_adapter(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter is in a slot (placing it there if it can)."""
+        if seq.cached_adapter is None or seq.adapter_slot:
+            return True
+        if self._slot_blocked or self.cache is None:
+            return False
+        placement, slot = self.cache.place(seq.cached_adapter)
+        if placement is Placement.NO_SLOT:
+            self._slot_blocked = True
+        seq.adapter_slot = slot
+        return placement is Placement.READY
 
     def reserved_len(self, seq: Sequence) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)

@@ -49,6 +49,11 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # KV block table
     finish_reason: FinishReason | None = None
     last_token_time: float | None = None
+    # an --adapter-dir adapter: its slot (adapter_slot) is given at admission
+    cached_adapter: str | None = None
+    adapter_rank: int = 0  # LoRA rank of its adapter (0: none or not LoRA)
+    level: int = 0  # MLQ queue, 0 = smallest requests
+    admitted_at: float | None = None  # time.monotonic() when it started running
 
     @property
     def output_ids(self) -> list[int]:

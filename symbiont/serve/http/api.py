@@ -8,6 +8,7 @@ Errors are OpenAI-style JSON: `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from symbiont.decoding import InvalidSamplingParams, SamplingParams
+from symbiont.serve.adapter_cache import AdapterFailed, AdapterState
 from symbiont.serve.adapters import AdapterError, AdapterNotFound
 from symbiont.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
 from symbiont.serve.engine import RequestError
@@ -106,7 +108,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        await _rescan(state)
         return {"object": "list", "data": _model_cards(state)}
+
+    @app.get("/v1/adapters")
+    async def adapters():
+        return {"object": "list", "data": await _adapter_cards(state)}
 
     @app.post("/v1/adapters")
     async def load_adapter(body: AdapterLoad):
@@ -172,13 +179,31 @@ async def _serve(
         for i, prompt in enumerate(prompts)
     ]
     render = _render(engine, body, prompts, texts, chat)
-    streams = await _submit_all(engine, requests)
+    async with _adapter_in_memory(state, adapter):
+        streams = await _submit_all(engine, requests)
     view = _View(request_id, body.model, chat, body.n, now(), render)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(engine, streams, view, include_usage, state.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
     return await _complete(engine, streams, view, http, state.metrics)
+
+
+@contextlib.asynccontextmanager
+async def _adapter_in_memory(state: ServerState, adapter: str | None):
+    """For an --adapter-dir adapter: hold it and wait (without blocking the engine or
+    other requests) until it is in host memory, so that a failed load is this request's
+    4xx naming the adapter; the engine holds its own reference once it has the request."""
+    cache = _cache(state)
+    if adapter is None or cache is None or adapter in state.ready().engine.adapters.names():
+        yield
+        return
+    loaded = cache.reserve(adapter)
+    try:
+        await asyncio.wrap_future(loaded)
+        yield
+    finally:
+        cache.release(adapter)
 
 
 async def _submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
@@ -542,21 +567,72 @@ def _model_cards(state: ServerState) -> list[dict]:
     for name in registry.names():
         info = registry.info(name)
         cards.append({**base, "id": name, "root": info["path"], "parent": state.model_name})
+    cache, loaded = _cache(state), set(registry.names())
+    for card in cache.cards() if cache is not None else ():
+        if card["state"] != AdapterState.FAILED and card["id"] not in loaded:
+            root = str(cache.root / card["id"])
+            cards.append({**base, "id": card["id"], "root": root, "parent": state.model_name})
     return cards
+
+
+async def _adapter_cards(state: ServerState) -> list[dict]:
+    """Every adapter: loaded by name (pinned in a slot), then the folder's, with tiers."""
+    registry = state.ready().engine.adapters
+    cards = []
+    for name in registry.names():
+        info = registry.info(name)
+        cards.append(
+            {
+                "id": name,
+                "object": "adapter",
+                "source": "loaded",
+                "method": info["method"],
+                "rank": info["rank"],
+                "state": str(AdapterState.RESIDENT),
+            }
+        )
+    await _rescan(state)
+    cache, loaded = _cache(state), set(registry.names())
+    if cache is not None:
+        cards += [card for card in cache.cards() if card["id"] not in loaded]
+    return cards
+
+
+def _cache(state: ServerState):
+    """The engine's adapter cache (None without --adapter-dir or while loading)."""
+    return None if state.engine is None else state.engine.engine.cache
+
+
+async def _rescan(state: ServerState) -> None:
+    """Pick up adapter folders added since the last scan (file I/O off the event loop)."""
+    cache = _cache(state)
+    if cache is not None:
+        await asyncio.to_thread(cache.scan)
 
 
 def _adapter_of(state: ServerState, model: str) -> str | None:
     if model == state.model_name:
         return None
-    if model not in state.ready().engine.adapters.names():
+    engine = state.ready().engine
+    if model in engine.adapters.names():
+        return model
+    entry = engine.cache.lookup(model) if engine.cache is not None else None
+    if entry is None:
+        listing = (
+            "GET /v1/adapters lists each adapter and its state"
+            if engine.cache is not None
+            else "start the server with --adapter-dir DIR to serve every adapter folder of DIR"
+        )
         raise APIError(
             404,
             f"the model {model!r} does not exist; GET /v1/models lists the base model "
-            f"({state.model_name!r}) and the loaded adapters",
+            f"({state.model_name!r}) and the adapters; {listing}",
             "not_found_error",
             "model",
             "model_not_found",
         )
+    if entry.state is AdapterState.FAILED:
+        raise AdapterFailed(model, entry.reason or "it failed to load")
     return model
 
 
@@ -691,6 +767,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdapterError)
     async def adapter_error(_, err: AdapterError):
         return APIError(400, str(err), "invalid_request_error", "path").response()
+
+    @app.exception_handler(AdapterFailed)
+    async def adapter_failed(_, err: AdapterFailed):
+        return APIError(
+            400, str(err), "invalid_request_error", "model", "adapter_failed"
+        ).response()
 
     @app.exception_handler(AdapterNotFound)
     async def adapter_not_found(_, err: AdapterNotFound):

@@ -1,0 +1,284 @@
+"""The adapter cache behind `--adapter-dir` (symbiont/serve/adapter_cache.py), on the engine.
+
+Adapters of a folder are loaded on first use off the engine thread, once however many
+requests wait; more adapters than slots still give vanilla peft's greedy tokens; an
+adapter in use is never evicted; eviction follows the policy; bad folders fail alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from symbiont.serve import Engine, EngineConfig, Request, SamplingParams
+from symbiont.serve.adapter_cache import (
+    AdapterCache,
+    AdapterFailed,
+    AdapterState,
+    CachedAdapter,
+    cost_scores,
+    name_problem,
+)
+from symbiont.serve.adapters import AdapterNotFound
+from symbiont.serve.config import CachePolicy
+from symbiont.serve.http.metrics import MAX_ADAPTER_LABELS, ServeMetrics
+from symbiont.serve.output import EngineObserver
+from tests.test_serve_common import Reference, lora_config, make_adapters, prompts, save_adapter
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+SMALL = EngineConfig(
+    max_running=8, max_batched_tokens=64, block_size=4, num_blocks=128, max_adapters=2
+)
+
+
+@pytest.fixture(scope="module")
+def base(checkpoints):
+    return checkpoints("llama")
+
+
+@pytest.fixture(scope="module")
+def folder(base, tmp_path_factory):
+    """Six good adapters (LoRA ranks 2-16, two IA3) under one folder."""
+    root = tmp_path_factory.mktemp("adapter-dir")
+    make_adapters(base, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(base, folder):
+    return Reference(base, {p.name: p for p in folder.iterdir()})
+
+
+def engine_on(base, root, config: EngineConfig = SMALL, observer=None) -> Engine:
+    engine = Engine.from_pretrained(base, config=config, observer=observer)
+    engine.attach_adapter_dir(root)
+    return engine
+
+
+class Counts(EngineObserver):
+    def __init__(self):
+        self.loads, self.evictions, self.lookups = [], [], []
+
+    def on_adapter_load(self, seconds, ok):
+        self.loads.append(ok)
+
+    def on_adapter_evict(self, tier):
+        self.evictions.append(tier)
+
+    def on_adapter_cache(self, tier, hit):
+        self.lookups.append((tier, hit))
+
+
+def run_all(engine: Engine, requests: list[Request]) -> None:
+    for request in requests:
+        engine.add_request(request)
+    for _ in range(2000):
+        if all(r.finished for r in requests):
+            return
+        engine.step()
+        if engine.stalled:
+            threading.Event().wait(0.002)
+    raise AssertionError("requests did not finish")
+
+
+def test_more_adapters_than_slots_each_equal_vanilla_peft(base, folder, reference, one_thread):
+    engine = engine_on(base, folder)
+    names = sorted(p.name for p in folder.iterdir()) * 2  # 6 adapters, 2 slots, 12 requests
+    batch = prompts(len(names), seed=3)
+    outputs = engine.generate(batch, names, GREEDY)
+    for prompt, name, out in zip(batch, names, outputs, strict=True):
+        assert out == reference.generate(prompt, name, GREEDY.max_tokens), name
+    states = [card["state"] for card in engine.cache.cards()]
+    assert states.count("resident") == 2 and states.count("host") == 4
+
+
+def test_cold_adapter_is_loaded_once_off_the_engine_thread(base, folder, monkeypatch, one_thread):
+    """Five requests for one cold adapter: one load, on a loader thread, while a base
+    request runs to the end on the engine thread."""
+    engine = engine_on(base, folder)
+    gate, threads = threading.Event(), []
+    parse = engine.adapters.parse
+
+    def slow_parse(path):
+        threads.append(threading.current_thread())
+        gate.wait(30)
+        return parse(path)
+
+    monkeypatch.setattr(engine.adapters, "parse", slow_parse)
+    cold = [Request(f"c{i}", [5, 6, 7 + i], "lora4", GREEDY) for i in range(5)]
+    for request in cold:
+        engine.add_request(request)
+    assert engine.cache.state("lora4") is AdapterState.LOADING, "queued adapters prefetch"
+    base_request = Request("b", [5, 6, 7], None, GREEDY)
+    engine.add_request(base_request)
+    for _ in range(50):
+        engine.step()
+        if base_request.finished:
+            break
+    assert base_request.finished and not any(r.finished for r in cold)
+    gate.set()
+    run_all(engine, [])
+    while not all(r.finished for r in cold):
+        engine.step()
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert engine.cache.lookup("lora4").hits == 5
+
+
+def test_adapter_in_use_keeps_its_slot_and_host_memory(base, folder, reference, one_thread):
+    """One slot: B waits (in host memory) while A's request runs; A is never evicted
+    mid-request; a tiny host budget still keeps adapters that requests hold."""
+    config = EngineConfig(
+        max_running=8, max_batched_tokens=64, block_size=4, num_blocks=128, max_adapters=1,
+        host_cache_bytes=1,
+    )  # fmt: skip
+    counts = Counts()
+    engine = engine_on(base, folder, config, counts)
+    a = Request("a", [4, 5, 6], "lora4", SamplingParams(temperature=0.0, max_tokens=12))
+    b = Request("b", [4, 5, 6], "lora16", GREEDY)
+    engine.add_request(a)
+    while not a.sequences[0].output_ids:
+        engine.step()
+    engine.add_request(b)
+    while not a.finished:
+        engine.step()
+        assert engine.cache.state("lora4") is AdapterState.RESIDENT, "evicted while running"
+        assert not b.sequences[0].output_ids, "B ran without a slot"
+        assert engine.cache.state("lora16") in (AdapterState.LOADING, AdapterState.HOST)
+    run_all(engine, [])
+    while not b.finished:
+        engine.step()
+    assert a.sequences[0].output_ids == reference.generate([4, 5, 6], "lora4", 12)
+    assert b.sequences[0].output_ids == reference.generate([4, 5, 6], "lora16", 6)
+    assert engine.cache.state("lora4") is AdapterState.DISK, "an idle adapter over budget stays"
+    assert counts.evictions.count("resident") == 1
+    assert engine.cache.host_bytes() <= engine.cache.lookup("lora16").bytes
+
+
+def test_cost_policy_keeps_frequent_large_adapters_lru_keeps_recent():
+    old_hot = CachedAdapter("hot", None, hits=10, bytes=1000, tick=1)
+    new_cold = CachedAdapter("cold", None, hits=1, bytes=100, tick=9)
+    scores = cost_scores([old_hot, new_cold])
+    assert scores["hot"] == pytest.approx(0.45 + 0.0 + 0.45)
+    assert scores["cold"] == pytest.approx(0.045 + 0.10 + 0.045)
+    for policy, victim in [(CachePolicy.COST, "cold"), (CachePolicy.LRU, "hot")]:
+        cache = AdapterCache.__new__(AdapterCache)
+        cache.config = EngineConfig(cache_policy=policy)
+        assert cache._lowest([old_hot, new_cold]).name == victim, policy
+    held = CachedAdapter("held", None, hits=0, bytes=1, tick=0, refs=1)
+    assert cache._lowest([held, old_hot]).name == "hot", "a referenced adapter went first"
+
+
+def test_host_tier_is_bounded_by_bytes(base, folder, one_thread):
+    """A budget a bit over one LoRA-4 adapter: using five in turn never holds more (once
+    the requests holding them are done), evicting idle ones from host memory."""
+    engine = engine_on(base, folder)
+    size = engine.cache.lookup("lora4").bytes  # file bytes; tensors take about as much
+    config = EngineConfig(
+        max_running=8, max_batched_tokens=64, block_size=4, num_blocks=128, max_adapters=1,
+        host_cache_bytes=int(1.2 * size),
+    )  # fmt: skip
+    counts = Counts()
+    engine = engine_on(base, folder, config, counts)
+    for i, name in enumerate(["lora4", "rslora2", "ia3", "ia3_b", "lora4"]):
+        run_all(engine, [Request(f"r{i}", [3, 4], name, GREEDY)])
+        assert engine.cache.host_bytes() <= config.host_cache_bytes
+    assert "host" in counts.evictions
+    assert counts.loads == [True] * (len(counts.loads)) and len(counts.loads) >= 5
+
+
+@pytest.fixture
+def bad_folder(base, folder, tmp_path):
+    """Good adapters next to every kind of bad one, and a valid adapter outside."""
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name in ("lora4", "ia3"):
+        shutil.copytree(folder / name, root / name)
+    bad = {
+        "broken-json": lambda p: (p / "adapter_config.json").write_text("{not json"),
+        "no-weights": lambda p: (p / "adapter_model.safetensors").unlink(),
+        "wrong-shape": _reshape_weights,
+        "nan-weights": _nan_weights,
+        "a..b": lambda p: None,
+    }
+    for name, spoil in bad.items():
+        shutil.copytree(folder / "lora4", root / name)
+        spoil(root / name)
+    save_adapter(base, lora_config("llama", 16), root / "rank-16", seed=5)
+    shutil.copytree(folder / "lora4", tmp_path / "outside")
+    os.symlink(tmp_path / "outside", root / "link-out")
+    (root / "not-an-adapter").mkdir()
+    (root / "file.txt").write_text("x")
+    return root
+
+
+def _reshape_weights(path):
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    save_file({k: torch.zeros(v.shape[0], v.shape[1] + 1) for k, v in tensors.items()}, file)
+
+
+def _nan_weights(path):
+    file = path / "adapter_model.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(file).items()}, file)
+
+
+def test_bad_folders_fail_alone_with_their_reason(base, bad_folder, reference, monkeypatch):
+    config = EngineConfig(block_size=4, num_blocks=128, max_lora_rank=8, max_adapters=2)
+    engine = Engine.from_pretrained(base, config=config)
+    inspected = []
+    inspect = engine.adapters.inspect
+    monkeypatch.setattr(engine.adapters, "inspect", lambda p: inspected.append(p) or inspect(p))
+    cache = engine.attach_adapter_dir(bad_folder)
+    cards = {card["id"]: card for card in cache.cards()}
+    assert set(cards) == {
+        "lora4", "ia3", "broken-json", "no-weights", "wrong-shape", "nan-weights", "a..b",
+        "rank-16", "link-out",
+    }  # fmt: skip
+    reasons = {name: card["reason"] or "" for name, card in cards.items()}
+    assert "not valid JSON" in reasons["broken-json"]
+    assert "adapter_model.safetensors" in reasons["no-weights"]
+    assert "another base" in reasons["wrong-shape"]
+    assert "max_lora_rank" in reasons["rank-16"] and "--max-lora-rank 16" in reasons["rank-16"]
+    assert "'..'" in reasons["a..b"]
+    assert "outside --adapter-dir" in reasons["link-out"]
+    assert cards["nan-weights"]["state"] == "disk", "values are checked when loaded"
+    assert all(os.path.realpath(p).startswith(str(bad_folder)) for p in inspected)
+    assert not any("outside" in str(p) for p in inspected), "read a folder outside the dir"
+    for name in ["broken-json", "no-weights", "wrong-shape", "a..b", "rank-16", "link-out"]:
+        with pytest.raises(AdapterFailed, match=f"adapter '{name}'"):
+            engine.add_request(Request(f"r-{name}", [3, 4], name, GREEDY))
+    for name in ["not-an-adapter", "file.txt", "../outside", "missing", "a\0b"]:
+        with pytest.raises(AdapterNotFound, match="/v1/adapters"):
+            engine.add_request(Request(f"r-{name}", [3, 4], name, GREEDY))
+    nan = Request("nan", [3, 4], "nan-weights", GREEDY)
+    good = [Request(f"ok-{n}", [3, 4, 5], n, GREEDY) for n in ("lora4", "ia3")]
+    run_all(engine, [nan, *good])
+    assert "adapter 'nan-weights' cannot be served" in nan.error and "NaN" in nan.error
+    assert cache.state("nan-weights") is AdapterState.FAILED
+    for request in good:
+        want = reference.generate([3, 4, 5], request.adapter, GREEDY.max_tokens)
+        assert request.error is None and request.sequences[0].output_ids == want
+
+
+def test_name_problems():
+    assert name_problem("ok-name_1.2") is None
+    for bad in ["", "a/b", "..", "a..b", "x\0", ".hidden", "a\\b", "x" * 256]:
+        assert name_problem(bad), bad
+
+
+def test_adapter_labels_on_request_metrics_are_bounded():
+    metrics = ServeMetrics()
+    for i in range(3 * MAX_ADAPTER_LABELS):
+        metrics.on_request(f"tenant-{i}")
+    metrics.on_request(None)
+    text = metrics.render().decode()
+    series = [
+        line for line in text.splitlines() if line.startswith("symbiont_adapter_requests_total")
+    ]
+    assert len(series) == MAX_ADAPTER_LABELS + 2  # + "other" + the base
+    assert f'adapter="other"}} {2.0 * MAX_ADAPTER_LABELS}' in text
