@@ -374,3 +374,27 @@ def test_zstd_stage_roundtrips_and_is_smaller(pair, tmp_path):
     assert data_file(tmp_path / "z").stat().st_size < data_file(delta_dir).stat().st_size
     for name, layer in plain.layers.items():  # same calibration, same solver: same bytes
         assert torch.equal(layer.dense(), packed.layers[name].dense())
+
+
+# ---------------------------------------------------------------- calibration text
+
+
+def test_calibration_windows_spread_and_refuse_short_text(tmp_path):
+    from symbiont.delta.calibration import calibration_windows, read_texts
+
+    windows = calibration_windows(list(range(100)), samples=5, seq_len=20)
+    assert windows[:, 0].tolist() == [0, 20, 40, 60, 80] and windows.shape == (5, 20)
+    assert calibration_windows(list(range(22)), samples=256, seq_len=20).shape == (3, 20)
+    with pytest.raises(ValueError, match="has 5 tokens, fewer than --calib-seq-len 20"):
+        calibration_windows(list(range(5)), samples=4, seq_len=20)
+    data = tmp_path / "c.jsonl"
+    data.write_text(
+        '{"text": "a"}\n{"prompt": "b", "completion": "c"}\n'
+        '{"messages": [{"role": "user", "content": "d"}, {"role": "assistant", "content": "e"}]}\n'
+    )
+    assert read_texts(data) == ["a", "bc", "d\ne"]
+    data.write_text('{"other": 1}\n')
+    with pytest.raises(ValueError, match="c.jsonl:1 has none of 'text'"):
+        read_texts(data)
+    with pytest.raises(ValueError, match="is not a file"):
+        read_texts(tmp_path / "missing.txt")
