@@ -5,7 +5,7 @@ import torch
 
 import symbiont
 from symbiont import BaseExecutor
-from tests.tiny_models import ARCHS, build_checkpoint
+from tests.tiny_models import ALL_ARCHS, build_checkpoint
 
 torch.set_num_threads(2)
 
@@ -17,7 +17,7 @@ def checkpoints(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            cache[name] = build_checkpoint(ARCHS[name], tmp_path_factory.mktemp(name))
+            cache[name] = build_checkpoint(ALL_ARCHS[name], tmp_path_factory.mktemp(name))
         return cache[name]
 
     return get

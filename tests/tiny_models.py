@@ -142,6 +142,39 @@ ARCHS = {
 }
 
 
+# Families tested by tests/test_families.py only (LoRA on all linear layers), kept out of
+# ARCHS so the method x transport matrix of tests/test_exactness.py does not grow.
+FAMILY_ARCHS = {
+    a.name: a
+    for a in [
+        Arch("qwen3", "qwen3", {**_DECODER, "head_dim": 8}, ("q_proj", "v_proj"), _LLAMA_MLP),
+        Arch(
+            "qwen3_bias",
+            "qwen3",
+            {**_DECODER, "head_dim": 8, "attention_bias": True},
+            ("q_proj", "v_proj"),
+            _LLAMA_MLP,
+        ),
+        Arch(
+            "falcon",
+            "falcon",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                bias=True,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                **_COMMON,
+            ),
+            ("query_key_value",),
+            ("dense_h_to_4h", "dense_4h_to_h"),
+        ),
+    ]
+}
+ALL_ARCHS = ARCHS | FAMILY_ARCHS
+
+
 def build_checkpoint(arch: Arch, folder: Path, *, seed: int = 0, dtype=torch.float32) -> Path:
     """Random weights from a seeded config, saved with save_pretrained as safetensors."""
     config = AutoConfig.for_model(arch.model_type, **arch.config)

@@ -47,7 +47,13 @@ class VirtLayer:
         self.spec = spec
         self.wire_dtype = executor.manifest.dtype
         self.register_parameter("weight", _zero_storage(self._weight_shape(), dtype, device))
-        bias = _zero_storage((spec.out_features,), dtype, device) if spec.has_bias else None
+        # The bias is [out], small: the client holds its real values (the loader reads them
+        # like any client tensor), so methods that transform the layer's output (BOFT's
+        # (base(x) - b) * s + b) compute exactly as vanilla. The executor still adds it.
+        bias = None
+        if spec.has_bias:
+            bias = nn.Parameter(torch.empty(spec.out_features, dtype=dtype, device="meta"))
+            bias.requires_grad_(False)
         self.register_parameter("bias", bias)
 
     def _weight_shape(self) -> tuple[int, int]:
@@ -70,12 +76,13 @@ class VirtLayer:
 
     def _apply(self, fn, recurse=True):
         # Module.to()/cuda()/half() would materialise the expanded weight; move the
-        # one stored scalar instead and expand it again.
-        for name in ("weight", "bias"):
-            param = self._parameters.get(name)
-            if param is not None:
-                moved = fn(torch.zeros((), dtype=param.dtype, device=param.device))
-                self._parameters[name] = _zero_storage(param.shape, moved.dtype, moved.device)
+        # one stored scalar instead and expand it again. The bias is real: moved as usual.
+        weight = self._parameters["weight"]
+        moved = fn(torch.zeros((), dtype=weight.dtype, device=weight.device))
+        self._parameters["weight"] = _zero_storage(weight.shape, moved.dtype, moved.device)
+        bias = self._parameters.get("bias")
+        if bias is not None and not bias.is_meta:
+            self._parameters["bias"] = nn.Parameter(fn(bias.data), requires_grad=False)
         return self
 
     def extra_repr(self) -> str:

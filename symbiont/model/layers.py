@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from symbiont.model.checkpoint import CheckpointError
+
 BASE_LAYER_TYPES = (nn.Linear, Conv1D)
 
 
@@ -45,9 +47,42 @@ def is_base_layer(module: nn.Module) -> bool:
     return isinstance(module, BASE_LAYER_TYPES)
 
 
+# transformers subclasses of nn.Linear whose own forward computes exactly x Wᵀ + b (up to
+# rounding), so the executor's F.linear replaces them faithfully.
+EQUIVALENT_LINEARS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+class UnsupportedArchitecture(CheckpointError):
+    """A model family whose base layers the executor cannot compute exactly."""
+
+
 def find_base_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every frozen linear module, in module order."""
-    return [(name, module) for name, module in model.named_modules() if is_base_layer(module)]
+    """(name, module) of every frozen linear module, in module order.
+
+    Refuses (UnsupportedArchitecture) a transformers model with a linear layer whose class
+    computes something else than x Wᵀ + b: splitting it would give wrong numbers."""
+    found = [(name, module) for name, module in model.named_modules() if is_base_layer(module)]
+    for name, module in found:
+        _refuse_custom_linear(model, name, module)
+    return found
+
+
+def _refuse_custom_linear(model: nn.Module, name: str, module: nn.Module) -> None:
+    cls = type(module)
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    if not cls.__module__.startswith("transformers.") or qualified in EQUIVALENT_LINEARS:
+        return  # symbiont's own VirtLayers, or a layer known to compute x Wᵀ + b
+    if cls.forward in (nn.Linear.forward, Conv1D.forward):
+        return
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    parent = "nn.Linear" if isinstance(module, nn.Linear) else "Conv1D"
+    raise UnsupportedArchitecture(
+        f"model family {family!r} is not supported: its {cls.__name__} layers (e.g. {name}) "
+        f"subclass {parent} with their own forward, which is not x Wᵀ + b, "
+        "so a base executor running them as plain linear layers would compute wrong "
+        "numbers. Missing: an executor operation for that layer's math "
+        "(see docs/compatibility.md)"
+    )
 
 
 def spec_of(layer_id: int, name: str, module: nn.Module) -> LayerSpec:
