@@ -8,11 +8,18 @@ adapter against an uninterrupted run of the same job, bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from symbiont.jobs.store import JobStore
 from symbiont.serve import EngineConfig
 from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
@@ -407,3 +415,77 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
             assert torch.equal(a[key], b[key]), f"{key} differs after resume"
         steps = [c.step_number for c in api.fine_tuning.jobs.checkpoints.list(interrupted.id)]
         assert steps == [12, 9, 6, 3]
+
+
+# -- kill -9 and SIGTERM of the real `symbiont serve` -------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: Path, jobs_dir: Path, log: Path):
+    """`symbiont serve --jobs-dir` in a child process; yields (process, client)."""
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "symbiont", "serve", "--model", str(model_dir), "--port", str(port),
+        "--jobs-dir", str(jobs_dir), "--max-running", "8", "--max-batched-tokens", "24",
+        "--block-size", "4", "--num-blocks", "256",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"serve exited:\n{log.read_text(errors='replace')}"
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield process, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
+    jobs_dir, log = tmp_path / "jobs", tmp_path / "serve.log"
+    spec = {"hyperparameters": {"n_epochs": 2, "batch_size": 1}, "extra": {"checkpoint_every": 2}}
+    with serve_process(model_dir, jobs_dir, log) as (process, api):
+        data = upload(api, chats(8))
+        killed = create(api, data.id, suffix="killed", **spec)  # 16 steps
+        while not list(api.fine_tuning.jobs.checkpoints.list(killed.id)):
+            time.sleep(0.02)
+        process.kill()  # kill -9 between checkpoints
+        process.wait()
+    assert JobStore(jobs_dir).get_job(None, killed.id).status == "running"
+    with serve_process(model_dir, jobs_dir, log) as (process, api):
+        uninterrupted = create(api, data.id, suffix="whole", **spec)
+        resumed = wait_for(api, killed.id)
+        assert resumed.status == "succeeded", resumed.error
+        assert wait_for(api, uninterrupted.id).status == "succeeded"
+        events = [e.message for e in api.fine_tuning.jobs.list_events(killed.id, limit=200)]
+        assert "Resumed after a restart" in events
+        a = load_file(jobs_dir / "runs" / killed.id / "adapter_model.safetensors")
+        b = load_file(jobs_dir / "runs" / uninterrupted.id / "adapter_model.safetensors")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{key} differs after kill -9 and resume"
+        # SIGTERM with a job running: the server exits cleanly, the job waits to resume
+        pending = create(api, data.id, **spec)
+        wait_for(api, pending.id, ("running",))
+        process.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then ends by the signal it caught
+        assert process.wait(15) in (0, -signal.SIGTERM), log.read_text(errors="replace")
+    text = log.read_text(errors="replace")
+    assert "Application shutdown complete" in text and "Traceback" not in text
+    assert JobStore(jobs_dir).get_job(None, pending.id).status == "running"

@@ -29,7 +29,7 @@ from symbiont.jobs.priority import PriorityGate, TrainingExecutor
 from symbiont.jobs.store import JobRecord, JobStore, now
 from symbiont.jobs.validation import JobsError, JobSpec
 from symbiont.protocol.executor import Executor
-from symbiont.train.checkpoints import STATE_FILE, list_checkpoints
+from symbiont.train.checkpoints import STATE_FILE, latest_checkpoint, list_checkpoints
 from symbiont.train.config import TrainConfig
 from symbiont.train.loop import METRICS_FILE
 
@@ -180,7 +180,7 @@ class JobRunner:
             out,
             pad_token_id=pad_id(site.tokenizing.tokenizer),
             eval_examples=evals,
-            resume=True,
+            resume=latest_checkpoint(out) is not None,  # after a restart: exactly from there
             progress=False,
             on_step=on_step,
         )

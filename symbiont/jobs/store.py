@@ -174,6 +174,8 @@ class JobStore:
             self._db.execute("COMMIT")
 
     def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        if not all(_storable(arg) for arg in args):
+            return []  # text SQLite cannot hold (a lone surrogate) names no stored row
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
@@ -184,6 +186,7 @@ class JobStore:
 
     def add_file(self, tenant: str, filename: str, purpose: str, content: bytes) -> FileRecord:
         """Write `content` durably, then its row; returns the record."""
+        filename = filename.encode("utf-8", "replace").decode("utf-8")[:255]
         record = FileRecord(new_id("file"), tenant, filename, purpose, len(content), now())
         path = self.file_path(record.id)
         staging = path.with_name(f".{record.id}.partial")
@@ -232,6 +235,8 @@ class JobStore:
         return needed
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
+        if self.get_file(tenant, file_id) is None:
+            return False
         with self._transaction() as db:
             gone = db.execute(
                 "DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)
@@ -366,6 +371,16 @@ class JobStore:
         return self._query(
             f"SELECT * FROM {table} WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
         )
+
+
+def _storable(value) -> bool:
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _insert_event(db, job_id: str, level: str, message: str, type_="message", data=None):

@@ -379,7 +379,7 @@ def _job(service: JobsService, request: Request, job_id: str):
 async def _json_body(request: Request) -> dict:
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise JobsError(400, f"the body is not valid JSON ({err}); send one JSON object") from None
     if not isinstance(body, dict):
         raise JobsError(400, "the body must be a JSON object")
@@ -476,7 +476,7 @@ class TenantGate:
             response.headers["retry-after"] = retry_after(wait)
             return await response(scope, receive, send)
         scope.setdefault("state", {})["tenant"] = tenant.name
-        if scope["path"] == "/v1/models" and scope["method"] == "GET":
+        if scope["path"] in ("/v1/models", "/v1/adapters") and scope["method"] == "GET":
             return await self.app(scope, receive, self._visible_models(tenant.name, send))
         if scope["path"].startswith("/v1/adapters/") and scope["method"] == "DELETE":
             name = scope["path"].removeprefix("/v1/adapters/")
