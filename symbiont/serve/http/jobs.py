@@ -66,6 +66,8 @@ class JobsService:
         self.runner = JobRunner(self.store) if self.store else None
         self.limiter = RateLimiter()
         self.site: Worksite | None = None
+        self.unavailable: str | None = None  # why jobs cannot run on this server, if so
+        self._own_executor = None  # a connection opened for the worker, closed at stop
         self._stopping = threading.Event()
         self._attacher = threading.Thread(target=self._attach, name="symbiont-jobs-attach")
         self._attacher.daemon = True
@@ -80,6 +82,8 @@ class JobsService:
         if self.runner is not None:
             self.runner.stop()
             self.store.close()
+        if self._own_executor is not None:
+            self._own_executor.close()
 
     def _attach(self) -> None:
         """Once the engine has loaded: give inference priority on the executor, open what
@@ -94,12 +98,16 @@ class JobsService:
         give_inference_priority(engine.model, gate)
         tokenizer = load_tokenizer(self.state.model_path, required=False)
         if tokenizer is None:
-            log.error("the base model has no tokenizer: fine-tuning jobs cannot run")
+            self.unavailable = "the base model has no tokenizer, so it cannot be fine-tuned here"
+            log.error("%s", self.unavailable)
             return
+        executor = model_executor(engine.model)
+        training = _training_executor(executor, self.state.model_path)
+        self._own_executor = training if training is not executor else None
         self.site = Worksite(
             model_dir=self.state.model_path,
             base_name=self.state.model_name,
-            executor=_training_executor(model_executor(engine.model), self.state.model_path),
+            executor=training,
             tokenizing=Tokenizing(tokenizer, engine.max_model_len),
             publish=self._publish,
             unpublish=self._unpublish,
@@ -127,6 +135,8 @@ class JobsService:
 
     def ready_site(self) -> Worksite:
         self.state.ready()  # 503 while the model loads
+        if self.unavailable is not None:
+            raise JobsError(400, self.unavailable, "model", "model_not_trainable")
         if self.site is None:
             raise JobsError(503, "the jobs worker is starting; retry shortly", None, "loading")
         return self.site
@@ -219,25 +229,6 @@ def _router(service: JobsService) -> APIRouter:
         store, tenant = service.jobs(), tenant_of(request)
         async with request.form(max_files=1, max_fields=4) as form:
             return await _upload(store, tenant, form, _file_limit(service, tenant))
-
-    async def _upload(store: JobStore, tenant: str, form, limit: int) -> dict:
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose != FILE_PURPOSE:
-            raise JobsError(400, f"purpose: must be {FILE_PURPOSE!r}, got {purpose!r}", "purpose")
-        if not isinstance(upload, UploadFile):
-            raise JobsError(400, "file: required, as a multipart file field", "file")
-        content = await upload.read(limit + 1)
-        if len(content) > limit:
-            raise JobsError(
-                413,
-                f"file: larger than this tenant's max_file_bytes ({limit} bytes); split it",
-                "file",
-                "file_too_large",
-            )
-        name = upload.filename or "upload.jsonl"
-        await asyncio.to_thread(parse_training_file, content, name)
-        record = await asyncio.to_thread(store.add_file, tenant, name, purpose, content)
-        return record.as_openai()
 
     @router.get("/v1/files")
     async def list_files(
@@ -356,6 +347,27 @@ def _router(service: JobsService) -> APIRouter:
         return _page(checkpoints, more)
 
     return router
+
+
+async def _upload(store: JobStore, tenant: str, form, limit: int) -> dict:
+    """Check and store one uploaded training file (multipart fields `file`, `purpose`)."""
+    purpose, upload = form.get("purpose"), form.get("file")
+    if purpose != FILE_PURPOSE:
+        raise JobsError(400, f"purpose: must be {FILE_PURPOSE!r}, got {purpose!r}", "purpose")
+    if not isinstance(upload, UploadFile):
+        raise JobsError(400, "file: required, as a multipart file field", "file")
+    content = await upload.read(limit + 1)
+    if len(content) > limit:
+        raise JobsError(
+            413,
+            f"file: larger than this tenant's max_file_bytes ({limit} bytes); split it",
+            "file",
+            "file_too_large",
+        )
+    name = upload.filename or "upload.jsonl"
+    await asyncio.to_thread(parse_training_file, content, name)
+    record = await asyncio.to_thread(store.add_file, tenant, name, purpose, content)
+    return record.as_openai()
 
 
 def _ended(status: str) -> str:
