@@ -82,7 +82,8 @@ def stacked(calls: list[Received], op: Op, layer: int) -> torch.Tensor:
 def principal_directions(recording: torch.Tensor) -> torch.Tensor:
     """Right singular vectors of the centred recording, strongest first [width, width]."""
     centred = recording - recording.mean(dim=0)
-    return torch.linalg.svd(centred, full_matrices=False).Vh.T
+    values, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending
+    return vectors.flip(dims=(1,))
 
 
 def pca_attack(recording: torch.Tensor, truth: torch.Tensor, ks) -> dict[int, float]:

@@ -120,6 +120,12 @@ def mask_executors(
             "--executor URL_B"
         )
     manifest = _common_manifest(pair)
+    if getattr(manifest, "experts", ()):
+        raise ValueError(
+            "masked activations do not cover mixture-of-experts layers yet: an expert call "
+            "carries routing ids and weights the masks cannot hide, and its output is not "
+            "linear in them; load this model without mask_activations"
+        )
     if manifest.dtype not in MASKABLE_DTYPES:
         raise ValueError(
             f"masked activations need a float32 base, this executor runs {manifest.dtype}: "
