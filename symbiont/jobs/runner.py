@@ -61,7 +61,7 @@ class JobRunner:
         self.site: Worksite | None = None
         self.current: str | None = None  # id of the job being trained
         self.step_hook: Callable[[str, int], None] | None = None  # tests: after each step
-        self._abandon: str | None = None  # "cancel" or "stop"
+        self._cancelled: set[str] = set()  # ids of jobs cancelled while they may run
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="symbiont-jobs", daemon=True)
@@ -84,14 +84,12 @@ class JobRunner:
 
     def cancel(self, job_id: str) -> None:
         """The job's status is already `cancelled`; stop training it if it runs."""
-        if self.current == job_id:
-            self._abandon = "cancel"
+        self._cancelled.add(job_id)  # only this job, whichever the worker holds now
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abandon the running job where it is (it stays `running` and resumes from its last
         checkpoint at the next start) and end the thread."""
         self._stopping.set()
-        self._abandon = "stop"
         self._wake.set()
         self._site_ready.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -131,24 +129,32 @@ class JobRunner:
         if not self.store.transition(
             job.id, "running", only_from=("running",) if resumed else ("queued",), event=event
         ):
+            self._cancelled.discard(job.id)
             return  # cancelled meanwhile
-        self.current, self._abandon = job.id, None
+        self.current = job.id
         try:
             self._finish(job, self._train(job))
         except _Abandon:
-            log.info("job %s %s", job.id, "cancelled" if self._abandon == "cancel" else "paused")
+            log.info("job %s %s", job.id, self._why_abandoned(job.id))
         except Exception as err:  # noqa: BLE001 - the job fails, the worker goes on
-            if self._abandon is not None:  # raised from inside autograd while abandoning
-                log.info("job %s abandoned (%s)", job.id, self._abandon)
+            if self._why_abandoned(job.id):  # raised from inside autograd while abandoning
+                log.info("job %s %s", job.id, self._why_abandoned(job.id))
             else:
                 self._fail(job, err)
         finally:
             self.current = None
+            self._cancelled.discard(job.id)
             gc.collect()
 
     def _check(self) -> None:
-        if self._abandon is not None:
-            raise _Abandon(self._abandon)
+        why = self._why_abandoned(self.current)
+        if why:
+            raise _Abandon(why)
+
+    def _why_abandoned(self, job_id: str | None) -> str | None:
+        if job_id in self._cancelled:
+            return "cancelled"
+        return "paused until the next start" if self._stopping.is_set() else None
 
     def _train(self, job: JobRecord) -> dict:
         import peft
