@@ -8,6 +8,7 @@ import json
 import shutil
 from dataclasses import replace
 
+import httpx
 import peft
 import pytest
 import torch
@@ -18,6 +19,9 @@ from symbiont.cli import main
 from symbiont.client.masking import MaskConfig, PoolMaskedExecutor, SharesExecutor
 from symbiont.model.default import default_dataset
 from symbiont.processes import ServerProcess
+from symbiont.serve import EngineConfig
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.server import BackgroundServer
 from symbiont.tenant import open_executor
 from tests.masking_attacks import Recorder
 from tests.tiny_models import ARCHS as TINY
@@ -27,6 +31,7 @@ LOGITS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 # Llama: no bias; Qwen2: bias on q/k/v; GPT-2: Conv1D layers, every one with a bias.
 ARCHS = ("llama", "qwen2", "gpt2")
+SERVE_ENGINE = EngineConfig(max_running=4, max_batched_tokens=32, block_size=4, num_blocks=64)
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +153,22 @@ def test_generate_cli_with_shares_over_two_bases(two_bases, capsys):
     assert capsys.readouterr().out == want, "generate --mask-activations shares changed the text"
     assert main([*args, "--executor", urls[1], "--mask-activations", "pool"]) == 0
     assert capsys.readouterr().out == want, "generate --mask-activations pool changed the text"
+
+
+def test_serve_with_masked_executors_answers_the_same(two_bases):
+    """`symbiont serve --mask-activations pool` (in process) and `shares` over two
+    serve-base give the unmasked server's greedy completion."""
+    path, urls = two_bases
+    shares = {"executor": urls[0], "second_executor": urls[1], "mask_activations": "shares"}
+    texts = {}
+    for name, extra in (("plain", {}), ("pool", {"mask_activations": "pool"}), ("shares", shares)):
+        config = ServerConfig(model=str(path), port=0, engine=SERVE_ENGINE, **extra)
+        with BackgroundServer(config) as server:
+            body = {"model": path.name, "prompt": "Q: 2 plus 3?", "max_tokens": 8}
+            reply = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0}, timeout=60)  # fmt: skip
+            assert reply.status_code == 200, reply.text
+            texts[name] = reply.json()["choices"][0]["text"]
+    assert texts["pool"] == texts["plain"] and texts["shares"] == texts["plain"], texts
 
 
 def test_finetune_cli_with_pool_trains_the_same_adapter(model_dir, tmp_path):

@@ -174,6 +174,23 @@ class ServerConfig:
             "metavar": "URL",
         },
     )
+    mask_activations: str | None = field(
+        default=None,
+        metadata={
+            "help": "hide activations from the executor (docs/privacy.md): 'pool' masks every "
+            "call; 'shares' splits every call between --executor and --second-executor, "
+            "run by parties that do not collude (default: no masking)",
+            "choices": ("pool", "shares"),
+        },
+    )
+    second_executor: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --mask-activations shares: URL of the second party's base executor "
+            "(the same checkpoint as --executor)",
+            "metavar": "URL",
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "interface to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on (0: any free port)"})
     api_key: str | None = field(

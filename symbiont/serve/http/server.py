@@ -31,7 +31,18 @@ def load_engine(
 ) -> AsyncEngine:
     """Build the engine and its adapters, then make the state ready; `on_failure(why)` is
     called from the engine thread if it fails for good."""
-    executor = open_executor(config.model, config.executor) if config.executor else None
+    urls = tuple(url for url in (config.executor, config.second_executor) if url) or None
+    executor = (
+        open_executor(
+            config.model,
+            urls,
+            device=config.device,
+            dtype=config.dtype,
+            mask_activations=config.mask_activations,
+        )
+        if urls or config.mask_activations
+        else None
+    )
     engine = Engine.from_pretrained(
         config.model,
         executor=executor,
