@@ -8,11 +8,16 @@ the layer's real bias on the client. Two of them also run over a `serve-base` pr
 
 from __future__ import annotations
 
+import json
+import re
+
 import peft
 import pytest
 import torch
 
 import symbiont
+from symbiont.adapters import AdapterError, read_adapter
+from symbiont.client.virt import BaseWeightUnavailable
 from symbiont.processes import ServerProcess
 from tests.test_exactness import batch, grads, make_pair
 
@@ -93,3 +98,59 @@ def test_method_trains_like_vanilla_over_serve_base(method, checkpoints, biased_
     path = checkpoints("qwen3_bias")
     with symbiont.connect(biased_server.url("tcp"), checkpoint=path) as executor:
         assert_trains_like_vanilla(path, executor, METHODS[method]())
+
+
+# -- methods that need the base weight itself: refused, naming the method and the reason --
+
+WEIGHT_READING = {
+    "HRA": (
+        lambda: peft.HRAConfig(r=4, target_modules=ATTENTION, **CAUSAL),
+        r"HRA \(HRAConfig\) needs the frozen base weights on the client: it multiplies the "
+        r"base weight by its Householder reflections",
+    ),
+    "SHiRA": (
+        lambda: peft.ShiraConfig(r=4, target_modules=ATTENTION, **CAUSAL),
+        r"SHiRA \(ShiraConfig\) needs the frozen base weights on the client: it adds its "
+        r"sparse update into a copy of the base weight",
+    ),
+    "DeLoRA": (
+        lambda: peft.DeloraConfig(r=4, target_modules=ATTENTION, **CAUSAL),
+        r"DeLoRA \(DeloraConfig\) needs the frozen base weights on the client: it scales its "
+        r"update by the column norms of the base weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("method", sorted(WEIGHT_READING))
+def test_method_reading_the_base_weight_is_refused_at_load(method, checkpoints, tmp_path):
+    make_config, message = WEIGHT_READING[method]
+    make_config().save_pretrained(tmp_path)
+    with pytest.raises(AdapterError, match=message):
+        read_adapter(tmp_path, require_weights=False)
+    # Built by hand and given to peft directly, it fails naming the method, not a torch op.
+    path = checkpoints("llama")
+    client = symbiont.load_client(path, symbiont.BaseExecutor.from_pretrained(path))
+    with pytest.raises(BaseWeightUnavailable, match=rf"^{re.escape(method)} \("):
+        model = peft.get_peft_model(client, make_config())
+        model(**batch())
+
+
+INITS_THAT_REWRITE_W = ["pissa", "pissa_niter_4", "olora", "loftq", "corda", "lora_ga"]
+
+
+@pytest.mark.parametrize("init", INITS_THAT_REWRITE_W)
+def test_initialisation_from_the_base_weight_is_refused_as_the_base_is_shared(init, tmp_path):
+    # Written by hand: peft cannot build a LoftQ config without scipy.
+    config = dict(peft_type="LORA", r=2, init_lora_weights=init, target_modules=ATTENTION)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=r"initialisation.*But the base is shared: every tenant"):
+        read_adapter(tmp_path, require_weights=False)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_initialisation_given_to_peft_directly_says_the_base_is_shared(init, checkpoints):
+    path = checkpoints("llama")
+    client = symbiont.load_client(path, symbiont.BaseExecutor.from_pretrained(path))
+    config = peft.LoraConfig(r=2, init_lora_weights=init, target_modules=ATTENTION, **CAUSAL)
+    with pytest.raises(BaseWeightUnavailable, match=r"initialisation.*the base is shared"):
+        peft.get_peft_model(client, config)

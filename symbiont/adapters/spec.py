@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import peft
@@ -33,6 +34,7 @@ from symbiont.adapters.names import (
     DORA,
     KASA,
     PICKLED_WEIGHTS_FILE,
+    WEIGHT_METHODS,
     WEIGHTS_FILE,
 )
 
@@ -241,6 +243,9 @@ def _parse_config(file: Path) -> peft.PeftConfig:
             f"{', '.join(known)} (upgrade peft if a newer one saved it)"
         )
     record.setdefault("task_type", "CAUSAL_LM")
+    # Before peft builds the config: some refused inits need extra packages to build
+    # (LoftQ: scipy), and the refusal, not an ImportError, is the answer.
+    _refuse_base_weight_methods(SimpleNamespace(**record), str(file))
     try:
         return peft.PeftConfig.from_peft_type(**record)
     except (TypeError, ValueError, KeyError) as err:
@@ -269,6 +274,14 @@ def _refuse_no_op(config: peft.PeftConfig, where: str) -> None:
 
 
 def _refuse_base_weight_methods(config: peft.PeftConfig, where: str) -> None:
+    if _peft_type(config) in WEIGHT_METHODS:
+        method, reason = WEIGHT_METHODS[_peft_type(config)]
+        raise AdapterError(
+            f"{where}: {method} needs the frozen base weights on the client: {reason}. Split "
+            "execution keeps them on the executor; use a method that adds to or scales a base "
+            "layer's input or output (LoRA, DoRA, OFT, BOFT, IA3, LoHa, LoKr, VeRA, ...), see "
+            "docs/compatibility.md"
+        )
     feature = None
     init = getattr(config, "init_lora_weights", None)
     if getattr(config, "use_dora", False):
@@ -279,12 +292,21 @@ def _refuse_base_weight_methods(config: peft.PeftConfig, where: str) -> None:
         feature = next(
             (f for k, f in BASE_WEIGHT_INITS.items() if init.lower().startswith(k)), None
         )
-    if feature is not None:
+    if feature == DORA:
         raise AdapterError(
             f"{where}: {feature} needs the frozen base weights on the client, which split "
             "execution keeps on the executor; use a method that adds to or scales a base "
             "layer's output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning), "
             "see docs/compatibility.md"
+        )
+    if feature is not None:
+        raise AdapterError(
+            f"{where}: {feature} needs the frozen base weights on the client: it initialises "
+            "the adapter from them, and where it moves part of W into the adapter (PiSSA, "
+            "OLoRA, CorDA, LoftQ, LoRA-GA, KaSA) it rewrites W. But the base is shared: every "
+            "tenant of the executor computes with the same frozen weights, which stay there "
+            "and which no tenant may change. Initialise the adapter without the base "
+            "(init_lora_weights=True or 'gaussian'); see docs/compatibility.md"
         )
 
 

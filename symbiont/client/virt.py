@@ -127,6 +127,9 @@ _WEIGHT_READERS = {
     "peft.tuners.lora.eva": "EVA initialisation (init_lora_weights='eva')",
     "peft.utils.loftq_utils": "LoftQ initialisation (init_lora_weights='loftq')",
     "trl.kernels.chunked_logprob": "TRL's fused LM head (the SFTTrainer loss)",
+    "peft.tuners.hra.layer": "HRA (HRAConfig), which multiplies the base weight by its reflections,",
+    "peft.tuners.shira.layer": "SHiRA (ShiraConfig), which adds its update into the base weight,",
+    "peft.tuners.delora.layer": "DeLoRA (DeloraConfig), which scales by the base weight's norms,",
 }
 # What to do instead, where it is not "use another PEFT method".
 _WEIGHT_READER_ADVICE = {
@@ -139,6 +142,12 @@ _PEFT_ADVICE = (
     "Use a PEFT method that only adds to the base layer's output or scales its "
     "input/output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning); "
     "see docs/compatibility.md"
+)
+_SHARED_BASE_ADVICE = (
+    "It initialises the adapter from the base weight and (PiSSA, OLoRA, CorDA, LoftQ) "
+    "rewrites it, but the base is shared: every tenant of the executor computes with the "
+    "same frozen weights, which no tenant may change. Initialise the adapter without the "
+    "base (init_lora_weights=True or 'gaussian'); see docs/compatibility.md"
 )
 _WEIGHT_READER_FUNCTIONS = {
     "pissa_init": "PiSSA initialisation (init_lora_weights='pissa')",
@@ -208,7 +217,9 @@ def _weight_read_message(op: str) -> str:
     return (
         f"{what} the values of a frozen base weight, but in split execution the base "
         "weights stay on the base executor and the client holds only a placeholder. "
-        + _WEIGHT_READER_ADVICE.get(feature, _PEFT_ADVICE)
+        + _WEIGHT_READER_ADVICE.get(
+            feature, _SHARED_BASE_ADVICE if "initialisation" in (feature or "") else _PEFT_ADVICE
+        )
     )
 
 
