@@ -54,6 +54,74 @@ JOB_RETRY_AFTER_S = 30  # a guess at when a running job may end; clients poll ag
 MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
+# Request bodies as the OpenAPI schema shows them (the routes read and check them by hand,
+# so that each refusal names its field the way docs/jobs.md says).
+_HYPER = {
+    "type": "object",
+    "properties": {
+        "n_epochs": {"anyOf": [{"const": "auto"}, {"type": "integer"}]},
+        "batch_size": {"anyOf": [{"const": "auto"}, {"type": "integer"}]},
+        "learning_rate_multiplier": {"anyOf": [{"const": "auto"}, {"type": "number"}]},
+    },
+}
+JOB_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["model", "training_file"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "training_file": {"type": "string"},
+                        "validation_file": {"type": ["string", "null"]},
+                        "suffix": {"type": ["string", "null"]},
+                        "seed": {"type": ["integer", "null"]},
+                        "hyperparameters": _HYPER,
+                        "method": {"type": "object"},
+                        "metadata": {"type": ["object", "null"]},
+                        "checkpoint_every": {"type": "integer"},
+                        "peft": {
+                            "type": "object",
+                            "properties": {
+                                "method": {"enum": ["lora", "ia3"]},
+                                "r": {"type": "integer"},
+                                "alpha": {"type": "number"},
+                                "dropout": {"type": "number"},
+                                "target_modules": {
+                                    "anyOf": [
+                                        {"const": "all-linear"},
+                                        {"type": "array", "items": {"type": "string"}},
+                                    ]
+                                },
+                            },
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+UPLOAD_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"const": "fine-tune"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
 class JobsService:
     """Everything the jobs API holds: store, worker, tenants, rate limits."""
 
@@ -224,7 +292,7 @@ def _router(service: JobsService) -> APIRouter:
 
     # -- files --------------------------------------------------------------------------
 
-    @router.post("/v1/files")
+    @router.post("/v1/files", openapi_extra=UPLOAD_SCHEMA)
     async def upload(request: Request):
         store, tenant = service.jobs(), tenant_of(request)
         async with request.form(max_files=1, max_fields=4) as form:
@@ -270,7 +338,7 @@ def _router(service: JobsService) -> APIRouter:
 
     # -- jobs ---------------------------------------------------------------------------
 
-    @router.post("/v1/fine_tuning/jobs")
+    @router.post("/v1/fine_tuning/jobs", openapi_extra=JOB_SCHEMA)
     async def create_job(request: Request):
         store, tenant = service.jobs(), tenant_of(request)
         body = await _json_body(request)
