@@ -219,9 +219,10 @@ class AdapterCache:
 
     # -- requests (API thread) ---------------------------------------------------------
 
-    def reserve(self, name: str) -> Future:
-        """Count one request on `name` and start its load if it is on disk; the future
-        is done once it is in memory (it raises AdapterFailed if the load failed)."""
+    def reserve(self, name: str, count: bool = True) -> Future:
+        """Hold `name` for one request and start its load if it is on disk; the future
+        is done once it is in memory (it raises AdapterFailed if the load failed).
+        `count`: the request counts as a hit (not when its server already counted it)."""
         entry = self.lookup(name)
         if entry is None:
             raise AdapterNotFound(_not_found(name))
@@ -229,10 +230,11 @@ class AdapterCache:
             if entry.state is AdapterState.FAILED:
                 raise AdapterFailed(name, entry.reason or "it failed to load")
             entry.refs += 1
-            entry.hits += 1
-            entry.last_use = time.time()
-            entry.tick = self._tick()
-            self._count_lookup(entry.state)
+            if count:
+                entry.hits += 1
+                entry.last_use = time.time()
+                entry.tick = self._tick()
+                self._count_lookup(entry.state)
             if entry.state is AdapterState.DISK:
                 entry.state = AdapterState.LOADING
                 entry.loading = self._pool.submit(self._load, entry)

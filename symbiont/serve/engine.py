@@ -155,7 +155,7 @@ class Engine:
         name, cached = request.adapter, self._from_folder(request.adapter)
         slot, rank = 0, 0
         if cached:
-            self.cache.reserve(name)  # starts the load (prefetch) if it is on disk
+            self.cache.reserve(name, count=not request.adapter_counted)  # prefetch if on disk
             rank = self.cache.lookup(name).rank
         elif name:
             slot = self.adapters.acquire(name)

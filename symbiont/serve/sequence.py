@@ -85,6 +85,7 @@ class Request:
     # nothing predicts), filled chunk by chunk as choice 0 prefills
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    adapter_counted: bool = False  # its server already counted the adapter cache lookup
 
     @property
     def finished(self) -> bool:

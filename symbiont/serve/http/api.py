@@ -179,7 +179,9 @@ async def _serve(
         for i, prompt in enumerate(prompts)
     ]
     render = _render(engine, body, prompts, texts, chat)
-    async with _adapter_in_memory(state, adapter):
+    async with _adapter_in_memory(state, adapter) as counted:
+        for request in requests:
+            request.adapter_counted = counted
         streams = await _submit_all(engine, requests)
     view = _View(request_id, body.model, chat, body.n, now(), render)
     if body.stream:
@@ -193,15 +195,16 @@ async def _serve(
 async def _adapter_in_memory(state: ServerState, adapter: str | None):
     """For an --adapter-dir adapter: hold it and wait (without blocking the engine or
     other requests) until it is in host memory, so that a failed load is this request's
-    4xx naming the adapter; the engine holds its own reference once it has the request."""
+    4xx naming the adapter; the engine holds its own reference once it has the request.
+    Yields whether the cache lookup was counted here."""
     cache = _cache(state)
     if adapter is None or cache is None or adapter in state.ready().engine.adapters.names():
-        yield
+        yield False
         return
-    loaded = cache.reserve(adapter)
+    loaded = cache.reserve(adapter)  # counts this request's cache hit or miss
     try:
         await asyncio.wrap_future(loaded)
-        yield
+        yield True
     finally:
         cache.release(adapter)
 
