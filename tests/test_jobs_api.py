@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from symbiont.client.virt import VirtLayer
+from symbiont.jobs.priority import InferenceExecutor
 from symbiont.jobs.store import JobStore
 from symbiont.serve import EngineConfig
 from symbiont.serve.config import ServerConfig
@@ -247,7 +249,13 @@ def test_cancel_while_the_base_keeps_answering(server, model_dir):
     err = refused(create, dave, upload(dave, chats(2)).id)
     assert err.status_code == 429 and "max_concurrent_jobs" in err.message
     assert int(err.response.headers["retry-after"]) >= 1
-    # inference goes on while the job trains
+    # inference goes on while the job trains, its base-layer calls ahead of the job's
+    engine = server.state.engine.engine
+    assert all(
+        isinstance(m.executor, InferenceExecutor)
+        for m in engine.model.modules()
+        if isinstance(m, VirtLayer)
+    )
     assert greedy(dave, BASE, "hi 2") == reference_text(model_dir, {}, None, "hi 2")
     started = time.monotonic()
     cancelled = dave.fine_tuning.jobs.cancel(long.id)
@@ -403,8 +411,10 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
         resumed = wait_for(api, interrupted.id)
         assert resumed.status == "succeeded", resumed.error
         assert wait_for(api, uninterrupted.id).status == "succeeded"
-        messages = [e.message for e in api.fine_tuning.jobs.list_events(interrupted.id, limit=100)]
-        assert "Resumed after a restart" in messages
+        events = list(api.fine_tuning.jobs.list_events(interrupted.id, limit=100))
+        assert "Resumed after a restart" in [e.message for e in events]
+        steps = [e.data["step"] for e in events if e.type == "metrics"]
+        assert sorted(steps) == list(range(1, 13)), "each step's metrics once, as one run"
         assert (
             resumed.trained_tokens == api.fine_tuning.jobs.retrieve(uninterrupted.id).trained_tokens
         )
@@ -473,8 +483,10 @@ def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
         resumed = wait_for(api, killed.id)
         assert resumed.status == "succeeded", resumed.error
         assert wait_for(api, uninterrupted.id).status == "succeeded"
-        events = [e.message for e in api.fine_tuning.jobs.list_events(killed.id, limit=200)]
-        assert "Resumed after a restart" in events
+        events = list(api.fine_tuning.jobs.list_events(killed.id, limit=200))
+        assert "Resumed after a restart" in [e.message for e in events]
+        steps = [e.data["step"] for e in events if e.type == "metrics"]
+        assert sorted(steps) == list(range(1, 17)), "each step's metrics once, as one run"
         a = load_file(jobs_dir / "runs" / killed.id / "adapter_model.safetensors")
         b = load_file(jobs_dir / "runs" / uninterrupted.id / "adapter_model.safetensors")
         assert a.keys() == b.keys()

@@ -323,3 +323,21 @@ def test_training_check_runs_before_each_call():
     with pytest.raises(RuntimeError, match="cancelled"):
         TrainingExecutor(inner, PriorityGate(), check=cancelled).call(1, 0, torch.zeros(1))
     assert inner.calls == []
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"tenants": "missing.json"}, "cannot read it"),
+        ({"tenants": "tenants.json", "api_key": "k"}, "--tenants gives each tenant its key"),
+    ],
+)
+def test_server_config_checks_tenants(tmp_path, monkeypatch, changes, message):
+    from symbiont.serve.config import ServerConfig
+
+    monkeypatch.chdir(tmp_path)
+    write_tenants(tmp_path, {"a": {"api_key": "k"}})
+    with pytest.raises(ValueError) as caught:
+        ServerConfig(model="m", **changes)
+    assert message in str(caught.value)
+    ServerConfig(model="m", tenants="tenants.json", host="0.0.0.0")  # tenants authenticate

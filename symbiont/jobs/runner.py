@@ -175,6 +175,10 @@ class JobRunner:
         torch.manual_seed(spec.seed)  # adapter initialisation (the worker is the only user)
         model = peft.get_peft_model(model, build_peft_config(spec.adapter_flags(), total))
         out = self.store.run_dir(job.id)
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is not None:  # a restart: the events read as one run
+            step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))["step"]
+            self.store.drop_metrics_after(job.id, step)
 
         def on_step(record: dict) -> None:
             self._on_step(job, record, total, out)
@@ -186,7 +190,7 @@ class JobRunner:
             out,
             pad_token_id=pad_id(site.tokenizing.tokenizer),
             eval_examples=evals,
-            resume=latest_checkpoint(out) is not None,  # after a restart: exactly from there
+            resume=checkpoint is not None,  # after a restart: exactly from there
             progress=False,
             on_step=on_step,
         )

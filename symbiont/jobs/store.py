@@ -346,6 +346,16 @@ class JobStore:
         rows = self._page("events", "job_id = ?", [job_id], after, limit)
         return [_event(r) for r in rows[:limit]], len(rows) > limit
 
+    def drop_metrics_after(self, job_id: str, step: int) -> int:
+        """Forget the step metrics past `step` (logged by a run that died after its last
+        checkpoint; the resumed run logs those steps again). Returns how many."""
+        with self._transaction() as db:
+            return db.execute(
+                "DELETE FROM events WHERE job_id = ? AND type = 'metrics' "
+                "AND json_extract(data, '$.step') > ?",
+                (job_id, step),
+            ).rowcount
+
     def add_checkpoint(self, job_id: str, step: int, metrics: dict, name: str) -> bool:
         """Record the checkpoint of `step` once; False if it was already recorded."""
         with self._transaction() as db:
