@@ -14,6 +14,7 @@ _EXPORTS = {
     "Executor": "symbiont.protocol.executor",
     "ExecutorError": "symbiont.protocol.executor",
     "ExecutorUnavailable": "symbiont.protocol.executor",
+    "MaskConfig": "symbiont.client.masking",
     "connect": "symbiont.client.remote",
     "default_model": "symbiont.model.default",
     "load_client": "symbiont.client.loader",

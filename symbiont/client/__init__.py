@@ -2,5 +2,6 @@
 
 `loader.py` builds it (`load_client`), `virt.py` holds the VirtLayers, `remote.py` reaches
 a `serve-base` process (`connect`), `fusion.py` fuses forward calls that
-share an input into one round trip.
+share an input into one round trip, `masking.py` hides activations from executors
+(`mask_activations`, docs/privacy.md).
 """
