@@ -203,7 +203,6 @@ def test_zero_alpha_refused_for_loha_and_from_flags(saved, tmp_path):
 @pytest.mark.parametrize(
     "config, feature",
     [
-        (peft.LoraConfig(r=2, use_dora=True), r"DoRA \(LoraConfig\(use_dora=True\)\)"),
         (peft.LoraConfig(r=2, init_lora_weights="pissa"), "PiSSA initialisation"),
         (peft.LoraConfig(r=2, init_lora_weights="pissa_niter_4"), "PiSSA initialisation"),
         (peft.LoraConfig(r=2, init_lora_weights="olora"), "OLoRA initialisation"),
@@ -216,11 +215,14 @@ def test_methods_that_need_base_weights_are_refused_by_name(tmp_path, config, fe
         load_peft_config(tmp_path)
 
 
-def test_a_saved_dora_adapter_is_refused(llama, tmp_path):
+def test_a_saved_dora_adapter_is_read_and_refused_by_the_serving_engine(llama, tmp_path):
+    # DoRA runs split (tests/test_dora.py); the batching engine does not serve it.
     config = lora_config("llama", 2, use_dora=True)
     folder = save_adapter(llama, config, tmp_path / "dora", seed=0)
-    with pytest.raises(AdapterError, match="DoRA"):
-        read_adapter(folder)
+    assert read_adapter(folder).config.use_dora
+    registry = AdapterRegistry(AutoModelForCausalLM.from_pretrained(llama), EngineConfig())
+    with pytest.raises(AdapterError, match="DoRA adapters are not batched by the serving engine"):
+        registry.parse(folder)
 
 
 # -- refusals: the weights file -----------------------------------------------------------

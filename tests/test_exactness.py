@@ -112,14 +112,6 @@ def test_split_equals_vanilla(arch, method, checkpoints, connect, tmp_path):
         )
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_dora_refused_with_clear_error(arch, checkpoints, connect):
-    path = checkpoints(arch)
-    client = symbiont.load_client(path, connect(path))
-    with pytest.raises(BaseWeightUnavailable, match=r"DoRA \(LoraConfig\(use_dora=True\)\)"):
-        peft.get_peft_model(client, lora(ARCHS[arch], use_dora=True))
-
-
 def test_weight_initialisations_that_read_base_weights_are_refused(checkpoints, connect):
     path = checkpoints("llama")
     client = symbiont.load_client(path, connect(path))

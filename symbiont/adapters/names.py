@@ -13,7 +13,6 @@ METHODS = ("lora", "ia3", "loha", "lokr", "vera", "adalora", "prefix", "prompt")
 # Config settings whose method reads or rewrites the frozen base weight, which a split
 # client never holds: (config field, predicate on its value, the feature to name).
 # The client's RemoteWeight names the same features when one slips through at run time.
-DORA = "DoRA (LoraConfig(use_dora=True))"
 BASE_WEIGHT_INITS = {
     "pissa": "PiSSA initialisation (init_lora_weights='pissa')",
     "corda": "CorDA initialisation (init_lora_weights='corda')",

@@ -31,7 +31,6 @@ from safetensors import safe_open
 from symbiont.adapters.names import (
     BASE_WEIGHT_INITS,
     CONFIG_FILE,
-    DORA,
     KASA,
     PICKLED_WEIGHTS_FILE,
     WEIGHT_METHODS,
@@ -284,20 +283,11 @@ def _refuse_base_weight_methods(config: peft.PeftConfig, where: str) -> None:
         )
     feature = None
     init = getattr(config, "init_lora_weights", None)
-    if getattr(config, "use_dora", False):
-        feature = DORA
-    elif getattr(config, "kasa_config", None):
+    if getattr(config, "kasa_config", None):
         feature = KASA
     elif isinstance(init, str):
         feature = next(
             (f for k, f in BASE_WEIGHT_INITS.items() if init.lower().startswith(k)), None
-        )
-    if feature == DORA:
-        raise AdapterError(
-            f"{where}: {feature} needs the frozen base weights on the client, which split "
-            "execution keeps on the executor; use a method that adds to or scales a base "
-            "layer's output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning), "
-            "see docs/compatibility.md"
         )
     if feature is not None:
         raise AdapterError(

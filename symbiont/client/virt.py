@@ -244,5 +244,8 @@ def _zero_storage(shape, dtype, device) -> RemoteWeight:
 def make_virt_layer(
     original: nn.Module, executor: Executor, spec: LayerSpec, dtype, device
 ) -> VirtLayer:
+    from symbiont.client import dora  # imports this module: deferred
+
+    dora.install()  # DoRA's row norms through the executor (symbiont/client/dora.py)
     cls = VirtConv1D if isinstance(original, Conv1D) else VirtLinear
     return cls(executor, spec, dtype, device)

@@ -419,6 +419,8 @@ def _out(module: nn.Module) -> int:
 def _refuse_unsupported(spec: AdapterSpec) -> None:
     refusals = {
         "lora_bias": "LoRA biases (lora_bias=True) are not served",
+        "use_dora": "DoRA adapters are not batched by the serving engine (symbiont generate "
+        "--adapter runs them)",
         "modules_to_save": "modules_to_save (fully trained extra modules) are not served",
         "layer_replication": "layer_replication is not served",
         "trainable_token_indices": "trainable_token_indices are not served",
