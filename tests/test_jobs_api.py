@@ -191,11 +191,12 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
     assert chat.model == job.fine_tuned_model and chat.choices[0].message.content is not None
 
 
-def test_other_tenants_see_nothing(server, alice, bob):
+def test_other_tenants_see_nothing(server, alice, bob, model_dir):
     mine = upload(alice, chats(2))
-    job = create(alice, mine.id)
-    wait_for(alice, job.id)
-    job = alice.fine_tuning.jobs.retrieve(job.id)
+    job = wait_for(alice, create(alice, mine.id, peft={"method": "ia3"}).id)  # IA3 this time
+    assert job.status == "succeeded", job.error
+    want = reference_text(model_dir, {"ft": run_dir(server, job.id)}, "ft", "hi 1")
+    assert greedy(alice, job.fine_tuned_model, "hi 1") == want
 
     def same_as_missing(call, real: str, fake: str):
         foreign, missing = refused(call, real), refused(call, fake)
