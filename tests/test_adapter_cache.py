@@ -263,6 +263,11 @@ def test_bad_folders_fail_alone_with_their_reason(base, bad_folder, reference, m
     for request in good:
         want = reference.generate([3, 4, 5], request.adapter, GREEDY.max_tokens)
         assert request.error is None and request.sequences[0].output_ids == want
+    shutil.copy(bad_folder / "lora4" / "adapter_config.json", bad_folder / "broken-json")
+    os.utime(bad_folder / "broken-json" / "adapter_config.json", ns=(1, 1))  # a changed stamp
+    cache.scan()
+    assert cache.state("broken-json") is AdapterState.DISK, "a fixed folder is retried"
+    assert cache.state("no-weights") is AdapterState.FAILED, "an unchanged one stays failed"
 
 
 def test_name_problems():

@@ -12,7 +12,8 @@ name. Each adapter is in one tier (its `state`):
   it. Copying a host adapter into a slot happens on the engine thread at admission.
 - `failed`: with the reason (bad config, bad or missing weights, another base, a rank
   over `--max-lora-rank`, a name with `/`, `..` or NUL, a symlink out of the folder);
-  its requests are refused naming it, the others are served.
+  its requests are refused naming it, the others are served. Once its files change, the
+  next `scan` tries it again.
 
 Reference counts: `reserve` counts every queued or running request. An adapter with a
 reference never leaves host memory. It leaves its slot only when no running sequence
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
 
-from symbiont.adapters.names import CONFIG_FILE
+from symbiont.adapters.names import CONFIG_FILE, WEIGHTS_FILE
 from symbiont.serve.adapters import (
     AdapterError,
     AdapterNotFound,
@@ -107,6 +108,7 @@ class CachedAdapter:
     loading: Future | None = None
     load_seconds: float | None = None
     tick: int = 0  # order of last use (recency without clock ties)
+    stamp: tuple = ()  # modification times of its files when it failed
 
     def card(self) -> dict:
         return {
@@ -160,7 +162,8 @@ class AdapterCache:
     # -- discovery (any thread) --------------------------------------------------------
 
     def scan(self) -> None:
-        """Discover subfolders not seen yet; forget unused ones whose folder is gone."""
+        """Discover subfolders not seen yet; forget unused ones whose folder is gone, and
+        failed ones whose files changed since (fixed folders are retried)."""
         try:
             names = sorted(os.listdir(self.root))
         except OSError as err:
@@ -168,8 +171,9 @@ class AdapterCache:
         present = set(names)
         with self._lock:
             for name, entry in list(self._entries.items()):
-                gone = name not in present and entry.refs == 0
-                if gone and entry.state in (AdapterState.DISK, AdapterState.FAILED):
+                gone = name not in present and entry.state is AdapterState.DISK
+                changed = entry.state is AdapterState.FAILED and _stamp(entry.path) != entry.stamp
+                if entry.refs == 0 and (gone or changed):
                     del self._entries[name]
         for name in names:
             if name not in self._entries and not name.startswith("."):
@@ -197,7 +201,7 @@ class AdapterCache:
                 return None  # a folder without a PEFT config: not served, not listed
             problem = self._inspect(entry)
         if problem is not None:
-            entry.state, entry.reason = AdapterState.FAILED, problem
+            entry.state, entry.reason, entry.stamp = AdapterState.FAILED, problem, _stamp(path)
         with self._lock:
             return self._entries.setdefault(name, entry)
 
@@ -295,8 +299,10 @@ class AdapterCache:
             self.wake()
 
     def _fail(self, entry: CachedAdapter, reason: str) -> None:
+        stamp = _stamp(entry.path)
         with self._lock:
             entry.state, entry.reason, entry.loading = AdapterState.FAILED, reason, None
+            entry.stamp = stamp
             self.failures += 1
 
     # -- slots (engine thread) ---------------------------------------------------------
@@ -428,6 +434,18 @@ def available_memory() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _stamp(path: Path) -> tuple:
+    """Modification times of an adapter folder and its files (lstat: links not followed,
+    nothing outside the folder is touched)."""
+    stamps = []
+    for part in (path, path / CONFIG_FILE, path / WEIGHTS_FILE):
+        try:
+            stamps.append(os.lstat(part).st_mtime_ns)
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps)
 
 
 def _not_found(name: str) -> str:
