@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import symbiont
 from symbiont.model.checkpoint import CheckpointError
 from tests.test_exactness import batch, grads, lora, make_pair
-from tests.tiny_models import ARCHS, Arch, build_checkpoint
+from tests.tiny_models import ARCHS, MOE_ARCHS, Arch, build_checkpoint
 
 
 def keys_in(folder) -> set[str]:
@@ -56,7 +56,7 @@ def test_gpt_neox_saved_by_transformers_loads_like_vanilla(checkpoints):
 def test_granitemoe_legacy_expert_names_load_like_vanilla(checkpoints):
     path = checkpoints("granitemoe")
     assert "model.layers.0.block_sparse_moe.input_linear.weight" in keys_in(path)
-    assert_split_equals_vanilla(path, ARCHS["granitemoe"])
+    assert_split_equals_vanilla(path, MOE_ARCHS["granitemoe"])
 
 
 def test_legacy_language_model_prefix_loads_like_vanilla(tmp_path):
@@ -132,9 +132,11 @@ def test_tied_head_whose_embedding_is_missing_names_both(checkpoints, tmp_path):
     assert "'model.embed.weight'" in message
 
 
-def test_checkpoint_needing_a_tensor_conversion_is_refused_with_the_fix(tmp_path):
-    """OLMoE saves each expert separately; transformers merges them into fused tensors on
-    load. symbiont says so, and the re-save it suggests loads like vanilla."""
+def test_per_expert_checkpoint_is_converted_like_vanilla(tmp_path):
+    """OLMoE saves each expert separately; transformers merges them into stacked tensors on
+    load with its conversion operations. The executor runs those same operations, and the
+    client, which holds no expert weight, never reads them; a re-save with the stacked
+    tensors under the model's own names loads alike."""
     arch = Arch(
         "olmoe",
         "olmoe",
@@ -144,17 +146,36 @@ def test_checkpoint_needing_a_tensor_conversion_is_refused_with_the_fix(tmp_path
     )
     build_checkpoint(arch, tmp_path / "saved")
     assert "model.layers.0.mlp.experts.0.up_proj.weight" in keys_in(tmp_path / "saved")
-    executor = symbiont.BaseExecutor.from_pretrained(tmp_path / "saved")
-    with pytest.raises(CheckpointError) as err:
-        symbiont.load_client(tmp_path / "saved", executor)
-    message = str(err.value)
-    assert "parameter 'model.layers.0.mlp.experts.gate_up_proj'" in message
-    assert "'model.layers.0.mlp.experts.0.gate_proj.weight'" in message
-    assert "safetensors.torch.save_model" in message
+    assert_split_equals_vanilla(tmp_path / "saved", arch, all_linear=False)
 
     fused = tmp_path / "fused"
     fused.mkdir()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     safetensors.torch.save_model(model, str(fused / "model.safetensors"))
     shutil.copy(tmp_path / "saved" / "config.json", fused)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys_in(fused)
     assert_split_equals_vanilla(fused, arch, all_linear=False)
+
+
+def test_client_tensor_needing_a_conversion_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """A tensor the client must hold that transformers combines from several keys (here the
+    experts, kept on the client by pretending the executor serves none) is refused by name
+    with the re-save that fixes it."""
+    import symbiont.client.loader as loader
+
+    arch = Arch(
+        "olmoe",
+        "olmoe",
+        {**ARCHS["llama"].config, "num_experts": 4, "num_experts_per_tok": 2},
+        ("q_proj", "v_proj"),
+        (),
+    )
+    build_checkpoint(arch, tmp_path)
+    executor = symbiont.BaseExecutor.from_pretrained(tmp_path)
+    monkeypatch.setattr(loader, "_replace_experts", lambda *args: None)
+    with pytest.raises(CheckpointError) as err:
+        symbiont.load_client(tmp_path, executor)
+    message = str(err.value)
+    assert "parameter 'model.layers.0.mlp.experts.gate_up_proj'" in message
+    assert "'model.layers.0.mlp.experts.0.gate_proj.weight'" in message
+    assert "safetensors.torch.save_model" in message

@@ -62,6 +62,8 @@ GOOD = {  # a plausible value per field name, so that one bad field is tried at 
     "cols": 32,
     "dtype": "float32",
     "fused": [],
+    "top_k": 0,
+    "weights_dtype": None,
     "rows_out": 1,
     "code": 1,
     "message": "m",

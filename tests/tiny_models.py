@@ -113,8 +113,7 @@ ARCHS = {
             ("q_proj", "v_proj"),
             ("fc1", "fc2"),
         ),
-        # transformers renames keys on load for these two: GPT-NeoX saves `lm_head` as
-        # `embed_out`, GraniteMoe its fused expert weights under their legacy names.
+        # transformers renames keys on load: GPT-NeoX saves `lm_head` as `embed_out`.
         Arch(
             "gpt_neox",
             "gpt_neox",
@@ -130,13 +129,6 @@ ARCHS = {
             ),
             ("query_key_value",),
             ("dense_h_to_4h", "dense_4h_to_h"),
-        ),
-        Arch(
-            "granitemoe",
-            "granitemoe",
-            {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
-            ("q_proj", "v_proj"),
-            (),  # the experts are fused parameters, not linear modules
         ),
     ]
 }
@@ -172,7 +164,30 @@ FAMILY_ARCHS = {
         ),
     ]
 }
-ALL_ARCHS = ARCHS | FAMILY_ARCHS
+# Mixture-of-experts families (tests/test_moe.py): the experts run on the executor as one
+# op whose CPU grouped matmul sums in an order that depends on the thread count, so they are
+# compared within a tolerance, out of the bitwise matrix of tests/test_exactness.py. Each
+# save_pretrained writes the experts as transformers' conversion mapping expects: one
+# tensor per expert (Mixtral, Qwen3-MoE, OLMoE) or legacy fused names (GraniteMoe).
+_MOE = {**_DECODER, "num_experts_per_tok": 2}
+MOE_ARCHS = {
+    a.name: a
+    for a in [
+        Arch("mixtral", "mixtral", {**_MOE, "num_local_experts": 4}, ("q_proj", "v_proj"), ()),
+        Arch(
+            "qwen3_moe",
+            "qwen3_moe",
+            {**_MOE, "num_experts": 4, "moe_intermediate_size": 16, "head_dim": 8},
+            ("q_proj", "v_proj"),
+            (),
+        ),
+        Arch("olmoe", "olmoe", {**_MOE, "num_experts": 4}, ("q_proj", "v_proj"), ()),
+        Arch(
+            "granitemoe", "granitemoe", {**_MOE, "num_local_experts": 4}, ("q_proj", "v_proj"), ()
+        ),
+    ]
+}
+ALL_ARCHS = ARCHS | FAMILY_ARCHS | MOE_ARCHS
 
 
 def build_checkpoint(arch: Arch, folder: Path, *, seed: int = 0, dtype=torch.float32) -> Path:

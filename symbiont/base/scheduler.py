@@ -16,6 +16,7 @@ import torch
 from symbiont.base.config import BatchingPolicy, PolicyKind
 from symbiont.protocol.executor import Op
 
+FORWARD_OPS = frozenset({Op.FORWARD, Op.EXPERTS_FORWARD})
 GAP_EMA = 0.25  # weight of the newest sample in a client's pace
 GAP_SAMPLE_CAP_S = 0.1  # a pause between requests is not the client's pace
 LATE_SLACK_S = 1e-3  # a client later than twice its pace plus this is not waited for
@@ -61,6 +62,11 @@ class Call:
     arrived: float
     via_shm: bool = False
     extra: tuple[int, ...] = ()  # forward only: more layers fed the same x (q/k/v, gate/up)
+    # experts ops (`layer` is then the experts' slot, after the linear layers): x is
+    # hidden [n_tokens, H], with ids and routing weights [n_tokens, k] and grad_y [n_tokens, H]
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    grad_y: torch.Tensor | None = None
     frames: list = field(default_factory=list)  # keeps received buffers alive
 
     @property
@@ -71,9 +77,17 @@ class Call:
 class Scheduler:
     """Queues calls per layer; `pop_ready` hands out the next batch under the policy."""
 
-    def __init__(self, policy: BatchingPolicy, sessions: dict[bytes, Session], n_layers: int):
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        sessions: dict[bytes, Session],
+        n_layers: int,
+        positions: list[int] | None = None,
+    ):
         self.policy = policy
         self.n_layers = n_layers
+        # queue key -> its place in a forward pass (experts stacks sit between linear layers)
+        self.pos = positions or list(range(n_layers))
         self.sessions = sessions
         self.queues: dict[int, list[Call]] = {}
         self.fifo: deque[Call] = deque()  # arrival order, for no-lockstep
@@ -148,9 +162,9 @@ class Scheduler:
 
     def _position(self, layer: int) -> int:
         """Order of a queue in a model pass: forward 0..N-1, then backward N-1..0."""
-        if any(c.op is Op.FORWARD for c in self.queues[layer]):
-            return layer
-        return 2 * self.n_layers - 1 - layer
+        if any(c.op in FORWARD_OPS for c in self.queues[layer]):
+            return self.pos[layer]
+        return 2 * self.n_layers - 1 - self.pos[layer]
 
     def _could_join(self, layer: int, queue: list[Call], now: float) -> bool:
         """Is a client not in `queue` expected at `layer` before the queue must run anyway?
@@ -175,7 +189,9 @@ class Scheduler:
         if s.waiting:
             # Queued elsewhere: its call runs first, then it computes and calls again. Not
             # waited for if that queue comes later in the pass (it would wait for us too).
-            mine = s.last_layer if s.last_op is Op.FORWARD else 2 * self.n_layers - 1 - s.last_layer
+            mine = self.pos[s.last_layer]
+            if s.last_op not in FORWARD_OPS:
+                mine = 2 * self.n_layers - 1 - mine
             if mine >= self._position(layer):
                 return None
             base = now
@@ -199,7 +215,8 @@ class Scheduler:
         half a model pass before `layer` and was active within `max_wait_s` may arrive."""
         if not s.waiting and now - s.last_reply >= self.policy.max_wait_s:
             return None
-        ahead = (layer - s.last_layer) if s.last_op is Op.FORWARD else (s.last_layer - layer)
+        ahead = self.pos[layer] - self.pos[s.last_layer]
+        ahead = ahead if s.last_op in FORWARD_OPS else -ahead
         return now if 0 < ahead % self.n_layers <= max(1, self.n_layers // 2) else None
 
     def _lockstep(self, now: float) -> int | None:

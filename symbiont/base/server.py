@@ -30,7 +30,14 @@ from symbiont.base.scheduler import Call as QueuedCall
 from symbiont.base.scheduler import Scheduler, Session
 from symbiont.base.stats import Stats as Counters
 from symbiont.protocol import shm
-from symbiont.protocol.executor import Op, validate_call
+from symbiont.protocol.executor import EXPERTS_OPS, Op, validate_call
+from symbiont.protocol.experts import (
+    REPLY_NAMES,
+    reply_layout,
+    request_layout,
+    validate_experts,
+    validate_experts_values,
+)
 from symbiont.protocol.messages import MAX_MESSAGE
 from symbiont.protocol.wire import (
     DTYPES,
@@ -74,8 +81,13 @@ class ExecutorServer:
         self.config = config
         self.manifest = executor.manifest
         self.sessions: dict[bytes, Session] = {}
-        self.scheduler = Scheduler(config.policy, self.sessions, len(self.manifest.layers))
-        self.stats = Counters([spec.name for spec in self.manifest.layers])
+        # Queue keys: linear layers by id, then experts stacks (n_linear + experts id).
+        self.n_linear = len(self.manifest.layers)
+        names = [s.name for s in self.manifest.layers] + [s.name for s in self.manifest.experts]
+        self.scheduler = Scheduler(
+            config.policy, self.sessions, len(names), _pass_positions(self.manifest)
+        )
+        self.stats = Counters(names)
         self.widths = [(s.in_features, s.out_features) for s in self.manifest.layers]
         self.endpoints: list[str] = []
         self._ctx = zmq.Context()
@@ -351,6 +363,8 @@ class ExecutorServer:
                 "a call is already in flight on this connection: wait for its answer before "
                 "sending the next (or open another connection)",
             )
+        if call.op in EXPERTS_OPS:
+            return self._frame_experts(session, call, frames)
         shape = (call.rows, call.cols)
         validate_call(
             self.manifest,
@@ -374,7 +388,60 @@ class ExecutorServer:
         x = tensor_from(frames[2].buffer, self.manifest.dtype, call.rows, call.cols)
         self._submit(session, call, x)
 
+    def _frame_experts(self, session: Session, call: Call, frames: list) -> None:
+        """An experts CALL: its packed tensors follow in one frame or in DATA parts."""
+        weights_dtype = DTYPES.get(call.weights_dtype)
+        if weights_dtype is None:
+            raise ProtocolError(Code.BAD_CALL, "an experts CALL needs weights_dtype")
+        args = (call.op, call.layer, call.rows, call.cols, call.top_k, DTYPES[call.dtype])
+        validate_experts(self.manifest, *args, weights_dtype, self.config.max_call_bytes)
+        layout = self._request_layout(call)
+        raw = torch.empty(layout.nbytes, dtype=torch.uint8)
+        if len(frames) == 2 and layout.nbytes > MAX_FRAME_BYTES:  # parts follow in DATA
+            session.pending = (call, raw, 0)
+            return
+        if len(frames) != 3 or len(frames[2]) != layout.nbytes:
+            got = len(frames[2]) if len(frames) == 3 else "no"
+            raise ProtocolError(
+                Code.BAD_CALL,
+                f"CALL declares {layout.nbytes} bytes of experts tensors, sent {got} bytes",
+            )
+        raw.numpy()[:] = np.frombuffer(frames[2].buffer, dtype=np.uint8)
+        self._submit(session, call, raw)
+
+    def _request_layout(self, call: Call):
+        weights_dtype = DTYPES[call.weights_dtype]
+        args = (call.op, call.rows, call.top_k, call.cols, self.manifest.dtype, weights_dtype)
+        return request_layout(*args)
+
+    def _queue_experts(self, session, call_id, op, experts, tensors, via_shm=False) -> None:
+        """Check an experts call's tensors (ids in range, all finite) and queue it."""
+        spec = self.manifest.experts[experts]
+        activations = [tensors[n] for n in ("hidden", "grad_y") if n in tensors]
+        validate_experts_values(spec, tensors["ids"], tensors["weights"], *activations)
+        now = time.monotonic()
+        call = QueuedCall(
+            session,
+            call_id,
+            op,
+            self.n_linear + experts,
+            tensors["hidden"],
+            now,
+            via_shm=via_shm,
+            ids=tensors["ids"],
+            weights=tensors["weights"],
+            grad_y=tensors.get("grad_y"),
+        )
+        if via_shm and len(self.sessions) == 1 and not self.scheduler:
+            session.waiting = True
+            self._run([call], now)  # alone: nothing to batch with, skip the queues
+        else:
+            self.scheduler.submit(call)
+
     def _submit(self, session: Session, call: Call, x: torch.Tensor) -> None:
+        if call.op in EXPERTS_OPS:  # x is the packed request
+            tensors = self._request_layout(call).views(x)
+            return self._queue_experts(session, call.call_id, call.op, call.layer, tensors)
         now = time.monotonic()
         self.scheduler.submit(
             QueuedCall(session, call.call_id, call.op, call.layer, x, now, extra=call.fused)
@@ -421,6 +488,8 @@ class ExecutorServer:
         checks as a CALL message's, and must fit the segment."""
         try:
             op, layer, rows, extra = shm.read_call(segment.ctrl)
+            if op in EXPERTS_OPS:
+                return self._shm_experts(session, segment, seq, op, layer, rows)
             dtype = self.manifest.dtype
             limit = min(self.config.max_call_bytes, segment.capacity)
             validate_call(self.manifest, op, layer, (rows, None), dtype, extra, limit)
@@ -440,13 +509,28 @@ class ExecutorServer:
         else:
             self.scheduler.submit(call)
 
+    def _shm_experts(self, session: Session, segment, seq: int, op: Op, experts, rows) -> None:
+        """An experts call posted in shared memory; ids and routing weights are copied out
+        before they are checked, so the client cannot change them afterwards."""
+        top_k, weights_dtype = shm.read_experts(segment.ctrl)
+        dtype = self.manifest.dtype
+        limit = min(self.config.max_call_bytes, segment.capacity)
+        args = (op, experts, rows, None, top_k, dtype, weights_dtype, limit)
+        spec = validate_experts(self.manifest, *args)
+        layout = request_layout(op, rows, top_k, spec.hidden, dtype, weights_dtype)
+        tensors = layout.views(segment.input_area())
+        tensors["ids"], tensors["weights"] = tensors["ids"].clone(), tensors["weights"].clone()
+        self._queue_experts(session, seq, op, experts, tensors, via_shm=True)
+
     # -- running a batch ----------------------------------------------------------
 
     def _run(self, calls: list[QueuedCall], now: float) -> None:
         """Run one layer for `calls`: one matmul per direction over all their tokens."""
         first = calls[0]
         started = time.monotonic()
-        if len(calls) == 1:
+        if first.layer >= self.n_linear:
+            tokens = self._run_experts(first.layer - self.n_linear, calls)
+        elif len(calls) == 1:
             tokens = self._run_group(first.op, first.layer, calls)
         else:
             tokens = 0
@@ -493,6 +577,40 @@ class ExecutorServer:
             return None
         return [y] if len(calls) == 1 else list(y.split([c.tokens for c in calls]))
 
+    def _run_experts(self, experts: int, calls: list[QueuedCall]) -> int:
+        """Run an experts stack once per (direction, routing-weights dtype) over the tokens
+        of every call: inside, the tokens of all clients are grouped per expert."""
+        groups: dict[tuple, list[QueuedCall]] = {}
+        for call in calls:
+            groups.setdefault((call.op, call.weights.dtype), []).append(call)
+        tokens = 0
+        for (op, _), group in groups.items():
+            outs = self._batched_experts(op, experts, group)
+            if outs is None:
+                continue  # those calls were failed; the others still get their answers
+            for call, ys in zip(group, outs, strict=True):
+                self._reply(call, ys)
+            tokens += sum(c.tokens for c in group)
+        return tokens
+
+    def _batched_experts(self, op: Op, experts: int, calls: list[QueuedCall]) -> list | None:
+        """Each call's outputs ([y] or [grad_hidden, grad_weights]) from one run."""
+        names = ["x", "ids", "weights"] + (["grad_y"] if op is Op.EXPERTS_BACKWARD else [])
+        args = [
+            getattr(calls[0], n) if len(calls) == 1 else torch.cat([getattr(c, n) for c in calls])
+            for n in names
+        ]
+        device = self.executor.device
+        try:
+            outs = self.executor.run_experts(op, experts, *(a.to(device) for a in args))
+        except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
+            log.exception("experts %d %s failed", experts, op.name.lower())
+            for call in calls:
+                self._fail(call, Code.INTERNAL, f"executor failed running experts: {err}")
+            return None
+        parts = [o.cpu().split([c.tokens for c in calls]) for o in outs]
+        return [list(p) for p in zip(*parts, strict=True)]
+
     def _reply(self, call: QueuedCall, ys: list[torch.Tensor]) -> None:
         """Answer one call with its outputs, each [n_tokens, out_l], back to back."""
         session = call.session
@@ -501,6 +619,8 @@ class ExecutorServer:
         session.calls += 1
         session.tokens += call.tokens
         rows = call.tokens
+        if call.ids is not None:
+            return self._reply_experts(call, ys)
         if not call.via_shm:
             cols = sum(y.shape[1] for y in ys)
             data = tensor_bytes(ys[0] if len(ys) == 1 else torch.cat([y.reshape(-1) for y in ys]))
@@ -514,6 +634,25 @@ class ExecutorServer:
         for y in ys:
             segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
             offset += y.numel()
+        self._answered_shm(session, segment, call, rows)
+
+    def _reply_experts(self, call: QueuedCall, ys: list[torch.Tensor]) -> None:
+        """Answer an experts call with its outputs packed as `reply_layout` says."""
+        rows, width = call.x.shape
+        args = (call.op, rows, call.ids.shape[1], width, call.x.dtype, call.weights.dtype)
+        layout, tensors = reply_layout(*args), dict(zip(REPLY_NAMES[call.op], ys, strict=True))
+        session = call.session
+        if not call.via_shm:
+            data = memoryview(layout.pack(tensors).numpy())
+            header = encode(Result(call_id=call.call_id, rows=rows, cols=width))
+            self._sock.send_multipart([session.key, header, data], copy=False)
+            return
+        if session.segment is not None:  # else the client left while its call ran
+            layout.write(session.segment.output_area(), tensors)
+            self._answered_shm(session, session.segment, call, rows)
+
+    def _answered_shm(self, session: Session, segment, call: QueuedCall, rows: int) -> None:
+        """Publish a shared-memory answer written into the output area."""
         ctrl = segment.ctrl
         ctrl[shm.OUT_ROWS] = rows
         ctrl[shm.STATUS] = 0
@@ -554,6 +693,18 @@ class ExecutorServer:
         self._spin_ok = self._spin_s > 0 and len(self.sessions) + 1 <= self._cores
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+
+
+def _pass_positions(manifest) -> list[int]:
+    """Queue key -> place in a forward pass: each experts stack sits after the linear
+    layers that precede it in module order."""
+    keys = [(spec.id, 1) for spec in manifest.layers]
+    keys += [(spec.after, 0) for spec in manifest.experts]
+    order = sorted(range(len(keys)), key=lambda k: keys[k])
+    positions = [0] * len(keys)
+    for place, key in enumerate(order):
+        positions[key] = place
+    return positions
 
 
 def _peer(frame) -> str:

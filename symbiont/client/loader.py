@@ -7,10 +7,12 @@ import os
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from symbiont.client.experts import make_virt_experts
 from symbiont.client.masking import MaskConfig, mask_executors
 from symbiont.client.virt import make_virt_layer
 from symbiont.model.checkpoint import Checkpoint, CheckpointError
 from symbiont.model.layers import find_base_layers, spec_of
+from symbiont.model.moe import experts_spec, find_experts
 from symbiont.model.skeleton import (
     build_skeleton,
     checkpoint_key,
@@ -54,6 +56,7 @@ def load_client(
     model = build_skeleton(checkpoint.config, dtype)
     keep = {model.get_output_embeddings()} if local_lm_head else set()
     _replace_base_layers(model, executor, dtype, device, keep=keep)
+    _replace_experts(model, executor, dtype, device)
     _load_client_tensors(model, checkpoint, dtype, device)
     _materialise_computed_buffers(model, device)
     _attach_generation_config(model, checkpoint)
@@ -89,6 +92,22 @@ def _replace_base_layers(model, executor: Executor, dtype, device, keep) -> None
             )
         owner, leaf = owner_of(model, name)
         setattr(owner, leaf, make_virt_layer(module, executor, local, dtype, device))
+
+
+def _replace_experts(model, executor: Executor, dtype, device) -> None:
+    """Each MoE experts stack becomes a VirtExperts: its weights stay on the executor."""
+    served = {spec.name: spec for spec in executor.manifest.experts}
+    for name, module, after in find_experts(model):
+        spec = served.get(name)
+        if spec is None or experts_spec(spec.id, name, module, after) != spec:
+            why = "serves no experts" if spec is None else f"serves {name} as {spec}"
+            raise ExecutorError(
+                f"{type(model).__name__} has a mixture-of-experts stack {name}, but the "
+                f"executor {why}: start serve-base with this symbiont version and the same "
+                "checkpoint and transformers version as the client"
+            )
+        owner, leaf = owner_of(model, name)
+        setattr(owner, leaf, make_virt_experts(module, executor, spec, dtype, device))
 
 
 def _load_client_tensors(model, checkpoint: Checkpoint, dtype, device) -> None:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -32,6 +33,12 @@ from symbiont.protocol.executor import (
     Manifest,
     Op,
     check_call,
+)
+from symbiont.protocol.experts import (
+    REPLY_NAMES,
+    check_experts_call,
+    reply_layout,
+    request_layout,
 )
 from symbiont.protocol.urls import check_url, is_loopback
 from symbiont.protocol.wire import (
@@ -165,6 +172,25 @@ class RemoteExecutor(Executor):
                         self.url,
                         attempt + 1,
                         what[-1],
+                    )
+                    self._reopen()
+        raise ExecutorUnavailable(self._lost_message(what))
+
+    def call_experts(self, op, experts, hidden, ids, weights, grad_y=None):
+        check_experts_call(self._manifest, op, experts, hidden, ids, weights, grad_y)
+        tensors = {"hidden": hidden, "ids": ids, "weights": weights}
+        if grad_y is not None:
+            tensors["grad_y"] = grad_y
+        with self._lock:
+            what = []
+            for attempt in range(self.config.retries + 1):
+                try:
+                    outputs = self._call_experts(op, experts, tensors)
+                    return tuple(t.to(hidden.device) for t in outputs)
+                except _Lost as lost:
+                    what.append(str(lost) or TIMED_OUT)
+                    log.warning(
+                        "no answer from %s (attempt %d, %s)", self.url, attempt + 1, what[-1]
                     )
                     self._reopen()
         raise ExecutorUnavailable(self._lost_message(what))
@@ -323,6 +349,49 @@ class RemoteExecutor(Executor):
                 return self._call_shm(op, layer, x, extra, in_w, out_ws)
         return self._call_frames(op, layer, x, extra, in_w, out_ws)
 
+    def _call_experts(self, op: Op, experts: int, tensors: dict) -> tuple:
+        """(y,) or (grad_hidden, grad_weights) of one experts call (see protocol.experts)."""
+        if self._sock is None:
+            raise _Lost("not connected")
+        hidden, weights = tensors["hidden"], tensors["weights"]
+        (rows, width), top_k = hidden.shape, tensors["ids"].shape[1]
+        args = (op, rows, top_k, width, hidden.dtype, weights.dtype)
+        request, reply = request_layout(*args), reply_layout(*args)
+        call = Call(
+            self._new_id(), op, experts, rows, width, DTYPE_NAMES[hidden.dtype], (), top_k,
+            DTYPE_NAMES[weights.dtype],
+        )  # fmt: skip
+        if self._segment is not None:
+            need = max(request.nbytes, reply.nbytes)
+            if need > self._segment.capacity:
+                self._grow(-(-need // (self._widest * hidden.element_size())))
+            if self._segment is not None:
+                return self._experts_shm(call, tensors, request, reply)
+        self._send_call(call, memoryview(request.pack(tensors).numpy()), copy=False)
+        result, data = self._await(call.call_id, self.config.timeout_s, frames=True)
+        if result.rows != rows or len(data) != reply.nbytes:
+            raise ExecutorError(f"the executor answered {len(data)} bytes for experts: a bug")
+        raw = torch.empty(reply.nbytes, dtype=torch.uint8)
+        raw.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        views = reply.views(raw)
+        return tuple(views[name] for name in REPLY_NAMES[op])
+
+    def _experts_shm(self, call: Call, tensors: dict, request, reply) -> tuple:
+        segment = self._segment
+        ctrl = segment.ctrl
+        if ctrl[shm.CLOSED]:
+            raise _Lost("session expired")  # the executor freed it: reconnect
+        request.write(segment.input_area(), tensors)
+        ctrl[shm.OP] = int(call.op)
+        ctrl[shm.LAYER] = call.layer
+        ctrl[shm.ROWS] = call.rows
+        ctrl[shm.FUSED] = 0
+        ctrl[shm.TOP_K] = call.top_k
+        ctrl[shm.WEIGHTS_DTYPE] = shm.WIRE_DTYPES.index(tensors["weights"].dtype)
+        self._post_shm(ctrl)
+        views = reply.views(segment.output_area())
+        return tuple(views[name].clone() for name in REPLY_NAMES[call.op])
+
     def _grow(self, tokens: int) -> None:
         """A bigger segment for `tokens` tokens of the widest layer (next power of two)."""
         self._attach_shm(1 << max(tokens, 1).bit_length())
@@ -331,14 +400,7 @@ class RemoteExecutor(Executor):
         """x [rows, in_w] as a frame -> outputs [rows, out_w] back to back in one frame."""
         rows = x.shape[0]
         call = Call(self._new_id(), op, layer, rows, in_w, DTYPE_NAMES[x.dtype], extra)
-        data = tensor_bytes(x)
-        if len(data) <= MAX_FRAME_BYTES:
-            self._sock.send_multipart([encode(call), data], copy=rows * in_w < 8192)
-        else:  # the executor reads no frame over MAX_FRAME_BYTES: send x in parts
-            self._sock.send(encode(call))
-            for offset in range(0, len(data), MAX_FRAME_BYTES):
-                part = data[offset : offset + MAX_FRAME_BYTES]
-                self._sock.send_multipart([encode(Data(call.call_id, offset)), part], copy=False)
+        self._send_call(call, tensor_bytes(x), copy=rows * in_w < 8192)
         result, data = self._await(call.call_id, self.config.timeout_s, frames=True)
         if (
             result.rows != rows
@@ -356,6 +418,16 @@ class RemoteExecutor(Executor):
             start += size
         return outputs
 
+    def _send_call(self, call: Call, data: memoryview, copy: bool) -> None:
+        """A CALL with its tensor bytes: one frame, or DATA parts over MAX_FRAME_BYTES."""
+        if len(data) <= MAX_FRAME_BYTES:
+            self._sock.send_multipart([encode(call), data], copy=copy)
+        else:  # the executor reads no frame over MAX_FRAME_BYTES: send x in parts
+            self._sock.send(encode(call))
+            for offset in range(0, len(data), MAX_FRAME_BYTES):
+                part = data[offset : offset + MAX_FRAME_BYTES]
+                self._sock.send_multipart([encode(Data(call.call_id, offset)), part], copy=False)
+
     def _call_shm(self, op, layer, x, extra, in_w, out_ws) -> list:
         """x [rows, in_w] into shared memory -> outputs [rows, out_w] out of it (copied)."""
         segment = self._segment
@@ -370,6 +442,15 @@ class RemoteExecutor(Executor):
         ctrl[shm.FUSED] = len(extra)
         for i, other in enumerate(extra):
             ctrl[shm.EXTRA + i] = other
+        self._post_shm(ctrl)
+        outputs, offset = [], 0
+        for width in out_ws:
+            outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
+            offset += rows * width
+        return outputs
+
+    def _post_shm(self, ctrl) -> None:
+        """Post the call written in the segment and wait for its answer (raises its ERROR)."""
         self._seq += 1
         seq = self._seq
         ctrl[shm.REQ_SEQ] = seq
@@ -380,11 +461,6 @@ class RemoteExecutor(Executor):
             if error:
                 self._raise(error)
             self._await(seq, self.config.timeout_s)  # raises with the executor's message
-        outputs, offset = [], 0
-        for width in out_ws:
-            outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
-            offset += rows * width
-        return outputs
 
     def _wait_shm(self, ctrl, seq: int) -> Error | None:
         """Spin on the answer's sequence number, then sleep on the socket for a RING.

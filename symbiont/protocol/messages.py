@@ -181,6 +181,12 @@ class Call:
     fused: tuple[int, ...] = wire(
         layer_list(3), "forward only: more layers fed the same x", default=()
     )
+    top_k: int = wire(integer(0, MAX_LAYERS), "experts ops: expert ids per token", default=0)
+    weights_dtype: str | None = wire(
+        text(32, optional=True, choices=tuple(DTYPES), code=Code.BAD_CALL),
+        "experts ops: the routing weights' dtype",
+        default=None,
+    )
 
 
 @dataclass(frozen=True)
@@ -284,8 +290,8 @@ def table() -> str:
     """The protocol as a markdown table (in `wire`'s docstring and docs/service.md)."""
     lines = ["| kind | fields (`?`: optional) | tensor frame | from -> to |", "|---|---|---|---|"]
     frames = {
-        Kind.CALL: "x `[rows, cols]` (none if sent in DATA parts)",
-        Kind.RESULT: "y `[rows, cols]`",
+        Kind.CALL: "x `[rows, cols]`, or packed experts tensors (none if sent in DATA parts)",
+        Kind.RESULT: "y `[rows, cols]`, or packed experts tensors",
         Kind.DATA: "bytes of x from offset",
     }
     for kind, cls in MESSAGES.items():

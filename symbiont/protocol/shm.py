@@ -10,9 +10,12 @@ Layout (offsets in bytes):
             SPIN_OK                             executor: "spinning pays: a core each"
             CLOSED                              executor: "session over: say HELLO again"
             CLIENT_ASLEEP                       client: "ring me, I am not spinning"
+            TOP_K, WEIGHTS_DTYPE                client, experts ops only: ids per token,
+                                                index of the routing weights' dtype in DTYPES
     256   input area   x [rows, width_in]     (capacity bytes)
     256+c output area  y [rows, width_out]    (capacity bytes; a fused call's outputs
                                               follow one another)
+An experts op packs its tensors in each area as `symbiont.protocol.experts` lays them out.
 
 A call moves no tensor bytes through the socket: the client copies x into the input
 area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
@@ -42,12 +45,14 @@ import stat
 
 import torch
 
-from symbiont.protocol.executor import MAX_FUSED, Code, Op, ProtocolError
+from symbiont.protocol.executor import DTYPES, MAX_FUSED, Code, Op, ProtocolError
 
 REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
 RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
 SERVER_ASLEEP, SPIN_OK, CLOSED = 16, 17, 18
 CLIENT_ASLEEP = 24
+TOP_K, WEIGHTS_DTYPE = 25, 26  # experts ops (written by the client before REQ_SEQ)
+WIRE_DTYPES = tuple(DTYPES.values())  # WEIGHTS_DTYPE indexes this
 HEADER_BYTES = 256
 MAX_CACHED_VIEWS = 256
 
@@ -130,6 +135,14 @@ class Segment:
         start = offset * dtype.itemsize
         return self._out[start : start + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
 
+    def input_area(self) -> torch.Tensor:
+        """The whole input area as bytes (uint8 [capacity]): experts calls lay out several
+        tensors in it."""
+        return self._in
+
+    def output_area(self) -> torch.Tensor:
+        return self._out
+
     def _view(self, key: tuple, area: torch.Tensor) -> torch.Tensor:
         _, dtype, rows, cols = key
         if len(self._views) >= MAX_CACHED_VIEWS:
@@ -165,6 +178,16 @@ def read_call(ctrl) -> tuple[Op, int, int, tuple[int, ...]]:
 
 
 _OPS = {int(op): op for op in Op}
+
+
+def read_experts(ctrl) -> tuple[int, torch.dtype]:
+    """(top_k, routing weights' dtype) of an experts call posted in a control block."""
+    top_k, code = ctrl[TOP_K], ctrl[WEIGHTS_DTYPE]
+    if not 0 <= code < len(WIRE_DTYPES):
+        raise ProtocolError(
+            Code.BAD_CALL, f"weights dtype = {code} in shared memory: 0..{len(WIRE_DTYPES) - 1}"
+        )
+    return top_k, WIRE_DTYPES[code]
 
 
 def cores() -> int:

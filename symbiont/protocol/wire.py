@@ -11,8 +11,8 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 |---|---|---|---|
 | 1 HELLO | call_id, protocol, token?, fingerprint?, pid?, host?, label? |  | client -> executor |
 | 2 WELCOME | call_id, manifest, max_call_bytes, shm |  | executor -> client |
-| 3 CALL | call_id, op, layer, rows, cols, dtype, fused? | x `[rows, cols]` (none if sent in DATA parts) | client -> executor |
-| 4 RESULT | call_id, rows, cols | y `[rows, cols]` | executor -> client |
+| 3 CALL | call_id, op, layer, rows, cols, dtype, fused?, top_k?, weights_dtype? | x `[rows, cols]`, or packed experts tensors (none if sent in DATA parts) | client -> executor |
+| 4 RESULT | call_id, rows, cols | y `[rows, cols]`, or packed experts tensors | executor -> client |
 | 5 ERROR | call_id, code, message |  | executor -> client |
 | 6 ATTACH | call_id, capacity |  | client -> executor |
 | 7 OK | call_id, segment? |  | executor -> client |
@@ -22,7 +22,9 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 | 11 BYE | call_id |  | client -> executor |
 | 12 DATA | call_id, offset | bytes of x from offset | client -> executor |
 
-Protocol 1 sent positional arrays; such a header is recognised only to refuse it with
+An optional field at its default is not sent, so a peer that predates the field reads the
+same message (experts fields travel only in experts calls, which only an executor that
+lists experts in its manifest is sent). Protocol 1 sent positional arrays; such a header is recognised only to refuse it with
 an answer the older side understands ("upgrade symbiont on the older side").
 """
 
@@ -94,15 +96,16 @@ MAX_HEADER_BYTES = 1 << 16
 # before it is read): a CALL's x above this travels in DATA parts of at most this size,
 # each accepted only within a session, after the CALL's size was checked.
 MAX_FRAME_BYTES = 1 << 20
-_NAMES = {kind: tuple(entry[0] for entry in schema) for kind, schema in SCHEMAS.items()}
 
 
 def encode(message: Message) -> bytes:
     """The header frame of `message` (a dataclass of `symbiont.protocol.messages`)."""
     kind = message.KIND
     data = {"kind": int(kind)}
-    for name in _NAMES[kind]:
-        data[name] = getattr(message, name)
+    for name, _, required, default in SCHEMAS[kind]:
+        value = getattr(message, name)
+        if required or value != default:  # a default is what an absent field decodes to
+            data[name] = value
     return msgpack.packb(data, use_bin_type=True)
 
 
