@@ -312,3 +312,25 @@ def test_executor_without_experts_is_refused(moe_checkpoints):
     executor._manifest = dataclasses.replace(executor.manifest, experts=())
     with pytest.raises(ExecutorError, match="mixture-of-experts stack .* serves no experts"):
         symbiont.load_client(path, executor)
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_large_experts_calls_over_the_wire(mode, moe_checkpoints, tmp_path, one_thread):
+    """Calls over one frame travel in DATA parts; over shared memory they grow the segment.
+    Forward and backward equal the in-process executor."""
+    path = moe_checkpoints("olmoe")
+    local = symbiont.BaseExecutor.from_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    rows = 9000  # about 1.4 MiB of packed tensors: more than one frame or the first segment
+    hidden, grad_y = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    with serve_in_thread(path, tmp_path) as server:
+        remote = symbiont.connect(server.endpoints[1], mode=mode, spin_us=0)
+        for op, extra in ((Op.EXPERTS_FORWARD, ()), (Op.EXPERTS_BACKWARD, (grad_y,))):
+            got = remote.call_experts(op, 1, hidden, ids, weights, *extra)
+            want = local.call_experts(op, 1, hidden, ids, weights, *extra)
+            assert len(got) == len(want)
+            for g_, w_ in zip(got, want, strict=True):
+                torch.testing.assert_close(g_, w_, atol=ATOL, rtol=0)
+        remote.close()
