@@ -145,6 +145,12 @@ def test_broken_adapter_is_refused_by_name_and_others_serve(server, client, expe
     assert ok.choices[0].text == expected("still", "sql", 5)
 
 
+def test_a_folder_adapter_cannot_be_unloaded_by_name(server):
+    response = httpx.delete(f"{server.url}/v1/adapters/sql")
+    assert response.status_code == 400 and "--adapter-dir" in response.json()["error"]["message"]
+    assert httpx.delete(f"{server.url}/v1/adapters/nobody").status_code == 404
+
+
 @pytest.mark.parametrize("name", ["nobody", "../tenants/sql", "sql/..", "a\u0000b"])
 def test_unknown_names_are_404_saying_how_to_list(client, name):
     with pytest.raises(openai.NotFoundError) as err:

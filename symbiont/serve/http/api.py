@@ -125,7 +125,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/adapters/{name}")
     async def unload_adapter(name: str):
-        await state.ready().unload_adapter(name)
+        engine, cache = state.ready(), _cache(state)
+        loaded = name in engine.engine.adapters.names()
+        if not loaded and cache is not None and cache.state(name) is not None:
+            raise APIError(
+                400,
+                f"adapter {name!r} is served from --adapter-dir, not loaded by name; move its "
+                "folder out of the adapter folder to stop serving it (the cache evicts it when "
+                "unused)",
+                *_invalid("name"),
+            )
+        await engine.unload_adapter(name)
         return {"id": name, "object": "adapter", "deleted": True}
 
     @app.post("/v1/completions")
