@@ -23,20 +23,3 @@ BASE_WEIGHT_INITS = {
     "lora_ga": "LoRA-GA initialisation (init_lora_weights='lora_ga')",
 }
 KASA = "KaSA (LoraConfig(kasa_config=...))"
-
-# Methods (by peft_type) whose forward or initialisation computes with the base weight
-# itself, not only with the layer's output: the method and why it cannot run split.
-WEIGHT_METHODS = {
-    "HRA": (
-        "HRA (HRAConfig)",
-        "it multiplies the base weight by its Householder reflections (W·H) on every forward",
-    ),
-    "SHIRA": (
-        "SHiRA (ShiraConfig)",
-        "it adds its sparse update into a copy of the base weight on every forward",
-    ),
-    "DELORA": (
-        "DeLoRA (DeloraConfig)",
-        "it scales its update by the column norms of the base weight, read when it is created",
-    ),
-}

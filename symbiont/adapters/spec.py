@@ -33,7 +33,6 @@ from symbiont.adapters.names import (
     CONFIG_FILE,
     KASA,
     PICKLED_WEIGHTS_FILE,
-    WEIGHT_METHODS,
     WEIGHTS_FILE,
 )
 
@@ -273,14 +272,6 @@ def _refuse_no_op(config: peft.PeftConfig, where: str) -> None:
 
 
 def _refuse_base_weight_methods(config: peft.PeftConfig, where: str) -> None:
-    if _peft_type(config) in WEIGHT_METHODS:
-        method, reason = WEIGHT_METHODS[_peft_type(config)]
-        raise AdapterError(
-            f"{where}: {method} needs the frozen base weights on the client: {reason}. Split "
-            "execution keeps them on the executor; use a method that adds to or scales a base "
-            "layer's input or output (LoRA, DoRA, OFT, BOFT, IA3, LoHa, LoKr, VeRA, ...), see "
-            "docs/compatibility.md"
-        )
     feature = None
     init = getattr(config, "init_lora_weights", None)
     if getattr(config, "kasa_config", None):

@@ -127,9 +127,6 @@ _WEIGHT_READERS = {
     "peft.tuners.lora.eva": "EVA initialisation (init_lora_weights='eva')",
     "peft.utils.loftq_utils": "LoftQ initialisation (init_lora_weights='loftq')",
     "trl.kernels.chunked_logprob": "TRL's fused LM head (the SFTTrainer loss)",
-    "peft.tuners.hra.layer": "HRA (HRAConfig), which multiplies the base weight by its reflections,",
-    "peft.tuners.shira.layer": "SHiRA (ShiraConfig), which adds its update into the base weight,",
-    "peft.tuners.delora.layer": "DeLoRA (DeloraConfig), which scales by the base weight's norms,",
 }
 # What to do instead, where it is not "use another PEFT method".
 _WEIGHT_READER_ADVICE = {
@@ -244,8 +241,9 @@ def _zero_storage(shape, dtype, device) -> RemoteWeight:
 def make_virt_layer(
     original: nn.Module, executor: Executor, spec: LayerSpec, dtype, device
 ) -> VirtLayer:
-    from symbiont.client import dora  # imports this module: deferred
+    from symbiont.client import dora, weight_methods  # they import this module: deferred
 
     dora.install()  # DoRA's row norms through the executor (symbiont/client/dora.py)
+    weight_methods.install()  # HRA, SHiRA, DeLoRA as base-layer calls
     cls = VirtConv1D if isinstance(original, Conv1D) else VirtLinear
     return cls(executor, spec, dtype, device)
