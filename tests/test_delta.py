@@ -398,3 +398,31 @@ def test_calibration_windows_spread_and_refuse_short_text(tmp_path):
         read_texts(data)
     with pytest.raises(ValueError, match="is not a file"):
         read_texts(tmp_path / "missing.txt")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gpt_neox"])
+def test_other_architectures_merge_equals_exact_apply(arch, checkpoints, tmp_path):
+    """Biases (qwen2), tied embeddings and soft-capping (gemma2), renamed checkpoint keys
+    and another layer layout (gpt_neox: lm_head saved as embed_out)."""
+    base = checkpoints(arch)
+    finetuned = perturbed_copy(base, tmp_path / "ft", seed=3)
+    calibration = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(4))
+    compress(base, finetuned, tmp_path / "d", calibration, CompressConfig(group_size=16))
+    merged = AutoModelForCausalLM.from_pretrained(
+        merge_checkpoint(base, tmp_path / "d", tmp_path / "m")
+    )
+    exact = AutoModelForCausalLM.from_pretrained(base)
+    attach(exact, load_delta(tmp_path / "d", base))
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(6))
+    got, want = logits(exact, ids), logits(merged, ids)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+    ft = logits(AutoModelForCausalLM.from_pretrained(finetuned), ids)
+    plain = logits(AutoModelForCausalLM.from_pretrained(base), ids)
+    assert (want - ft).abs().mean() < 0.25 * (plain - ft).abs().mean()
+
+
+def test_refuses_conv1d_models(checkpoints, tmp_path):
+    base = checkpoints("gpt2")
+    calibration = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(CheckpointError, match="Conv1D layers .* nn.Linear layers only"):
+        compress(base, base, tmp_path / "d", calibration, CompressConfig())

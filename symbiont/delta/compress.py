@@ -39,6 +39,7 @@ from symbiont.delta.identity import base_identity
 from symbiont.delta.packing import PackedLayer, pack
 from symbiont.delta.solver import round_to_nearest, solve_obs
 from symbiont.model.checkpoint import Checkpoint, CheckpointError
+from symbiont.model.layers import is_base_layer
 from symbiont.model.skeleton import build_skeleton, checkpoint_key, owner_of, set_tensor
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def compress(
     check_output_folder(Path(out))
     base, finetuned = Checkpoint.open(base_path), Checkpoint.open(finetuned_path)
     model = build_skeleton(finetuned.config, torch.float32)
+    _check_supported(model)
     check_same_shapes(base, finetuned, model)
     run = _Run(base, finetuned, model, config, progress or (lambda report: None))
     layers, params = run.solve(calibration)
@@ -102,6 +104,15 @@ def compress(
         "sizes": _sizes(model, layers, params),
     }
     return write_delta(Path(out), manifest, layers, params, zstd=config.zstd)
+
+
+def _check_supported(model: nn.Module) -> None:
+    conv = [n for n, m in model.named_modules() if is_base_layer(m) and type(m) is not nn.Linear]
+    if conv:
+        raise CheckpointError(
+            f"{type(model).__name__} projects with GPT-2 style Conv1D layers ({conv[0]}, ...); "
+            "symbiont delta compresses nn.Linear layers only"
+        )
 
 
 def check_same_shapes(base: Checkpoint, finetuned: Checkpoint, model: nn.Module) -> None:
