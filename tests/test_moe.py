@@ -37,6 +37,7 @@ ROUTER = {  # the router's weight, adapted with PEFT's target_parameters
     "mixtral": "mlp.gate.weight",
     "qwen3_moe": "mlp.gate.weight",
     "olmoe": "mlp.gate.weight",
+    "qwen2_moe": "mlp.gate.weight",
     "granitemoe": "block_sparse_moe.router.weight",
 }
 
@@ -82,6 +83,39 @@ def test_in_process_equals_vanilla(name, moe_checkpoints, one_thread):
     executor = symbiont.BaseExecutor.from_pretrained(path)
     assert len(executor.manifest.experts) == 2  # one stack per decoder layer
     assert_split_equals_vanilla(path, executor, lora_attention_and_router(name))
+
+
+# Every linear layer (PEFT would also adapt the experts for the bare names "down_proj", ...)
+LINEAR = r".*\.(self_attn\.[qkvo]_proj|shared_expert\.(gate|up|down)_proj|shared_expert_gate)"
+
+
+@pytest.mark.parametrize("name", sorted(MOE_ARCHS))
+def test_lora_on_every_linear_layer_equals_vanilla(name, moe_checkpoints, one_thread):
+    """Every linear layer by name: attention, and the shared experts where the family has
+    them (Qwen2-MoE). The experts module is no linear layer, so it is not matched."""
+    path = moe_checkpoints(name)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LINEAR, task_type="CAUSAL_LM")
+    vanilla, split = make_pair(path, symbiont.BaseExecutor.from_pretrained(path), config)
+    inputs = batch()
+    out_v = vanilla(**inputs, labels=inputs["input_ids"])
+    out_s = split(**inputs, labels=inputs["input_ids"])
+    torch.testing.assert_close(out_s.logits, out_v.logits, atol=ATOL, rtol=0)
+    out_v.loss.backward()
+    out_s.loss.backward()
+    grads_v, grads_s = grads(vanilla), grads(split)
+    assert grads_v.keys() == grads_s.keys()
+    assert any("shared_expert" in n for n in grads_v) == (name == "qwen2_moe")
+    for param, grad in grads_v.items():
+        torch.testing.assert_close(grads_s[param], grad, atol=ATOL, rtol=0, msg=param)
+
+
+def test_all_linear_that_peft_extends_to_the_experts_is_refused(moe_checkpoints):
+    """PEFT 0.21 turns target_modules='all-linear' on Mixtral into LoRA on the experts too."""
+    path = moe_checkpoints("mixtral")
+    client = symbiont.load_client(path, symbiont.BaseExecutor.from_pretrained(path))
+    model = peft.get_peft_model(client, peft.LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(BaseWeightUnavailable, match=r"target_parameters.*'all-linear'"):
+        model(**batch())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

@@ -182,6 +182,18 @@ MOE_ARCHS = {
             (),
         ),
         Arch("olmoe", "olmoe", {**_MOE, "num_experts": 4}, ("q_proj", "v_proj"), ()),
+        Arch(  # shared experts: linear base layers beside the routed ones
+            "qwen2_moe",
+            "qwen2_moe",
+            {
+                **_MOE,
+                "num_experts": 4,
+                "moe_intermediate_size": 16,
+                "shared_expert_intermediate_size": 32,
+            },
+            ("q_proj", "v_proj"),
+            (),
+        ),
         Arch(
             "granitemoe", "granitemoe", {**_MOE, "num_local_experts": 4}, ("q_proj", "v_proj"), ()
         ),

@@ -22,10 +22,11 @@ from symbiont.protocol.executor import Executor, Op
 
 EXPERTS_LORA_MESSAGE = (
     "LoRA on expert weights (PEFT's LoraConfig(target_parameters=[...experts.gate_up_proj / "
-    "down_proj])) needs the values of the experts' weights, which stay on the base "
-    "executor: in split execution the experts run there as one op. Adapt the attention, "
-    "the shared experts or the router instead (e.g. target_modules=['q_proj', 'v_proj'], "
-    "target_parameters=['mlp.gate.weight']); see docs/compatibility.md"
+    "down_proj]), which PEFT also adds for target_modules='all-linear' on MoE models) needs "
+    "the values of the experts' weights, which stay on the base executor: in split "
+    "execution the experts run there as one op. Adapt the attention, the shared experts or "
+    "the router instead, naming them (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', "
+    "'o_proj'], target_parameters=['mlp.gate.weight']); see docs/compatibility.md"
 )
 
 
