@@ -426,3 +426,24 @@ def test_refuses_conv1d_models(checkpoints, tmp_path):
     calibration = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(CheckpointError, match="Conv1D layers .* nn.Linear layers only"):
         compress(base, base, tmp_path / "d", calibration, CompressConfig())
+
+
+def test_memory_holds_one_decoder_layer_at_a_time(pair, tmp_path, monkeypatch):
+    """While a layer is solved, every other decoder layer is on the meta device."""
+    from symbiont.delta import compress as compress_module
+
+    base, finetuned, _, calibration, _ = pair
+    seen = []
+    solve = compress_module._Run._solve_linear
+
+    def spy(self, index, total, name, module, hessian):
+        layers = compress_module.decoder_layers(self.model)
+        real = [i for i, layer in enumerate(layers) if not layer.self_attn.q_proj.weight.is_meta]
+        seen.append((index, real))
+        return solve(self, index, total, name, module, hessian)
+
+    monkeypatch.setattr(compress_module._Run, "_solve_linear", spy)
+    compress(base, finetuned, tmp_path / "d", calibration[:4], CompressConfig(group_size=16))
+    decoder = [(index, real) for index, real in seen if index < 2]
+    assert decoder and all(real == [index] for index, real in decoder), seen
+    assert seen[-1] == (2, []), "the output projection is solved with every layer released"
