@@ -10,7 +10,9 @@
    random tokens (std 0.02, like an initialised LLM) masked as each mode masks them; the
    executor decodes each row to the nearest vocabulary entry (after projecting away the
    pool's subspace, which it finds by principal components). Token recovery rate per
-   noise scale. Usage:
+   noise scale (`noise_scale`, grown with the width as the client grows it).
+3. Label recovery from the logits' gradient (backward through the LM head): the argmin
+   of each received row against the next token. Usage:
 
     python benchmarks/masking_attacks.py [--width 4096 --vocab 4096]
 """
@@ -25,7 +27,7 @@ import peft
 import torch
 
 import symbiont
-from symbiont.client.masking import MaskConfig
+from symbiont.client.masking import MaskConfig, noise_scale
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.masking_attacks import (  # noqa: E402 - the shared attack code of the tests
@@ -104,13 +106,36 @@ def decoding_table(args) -> None:
         f"\nfirst-layer dictionary decoding: width {args.width}, vocab {args.vocab}, "
         f"{args.tokens} tokens; share of tokens recovered (chance {1 / args.vocab:.2%})"
     )
-    print(f"{'noise_scale':>12}{'shares':>10}{'pool K=16':>12}")
-    for scale in args.scales:
+    print(
+        f"{'noise_scale':>12}{'shares':>10}{'pool K=16':>12}  (x {noise_scale(1, args.width):g} at this width)"
+    )
+    for base in args.scales:
+        scale = noise_scale(base, args.width)
         noise = torch.randn(x.shape, generator=generator) * rms * scale
         coefficients = torch.randn(len(x), 16, generator=generator) * rms * scale
         pooled = x + coefficients * (args.width / 16) ** 0.5 @ basis
         rates = [_decode_rate(x + noise, table, tokens), _decode_rate(_project_away(pooled, 16), table, tokens)]  # fmt: skip
-        print(f"{scale:>12g}" + "".join(f"{r:>10.1%}" if i == 0 else f"{r:>12.1%}" for i, r in enumerate(rates)))  # fmt: skip
+        print(f"{base:>12g}" + "".join(f"{r:>10.1%}" if i == 0 else f"{r:>12.1%}" for i, r in enumerate(rates)))  # fmt: skip
+
+
+def label_table(args) -> None:
+    """Backward through the LM head sends the logits' gradient, softmax - onehot(label)
+    per token: one coordinate stands out, and it names the next token of the text."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.tokens, args.label_vocab, generator=generator) * 2
+    labels = torch.randint(0, args.label_vocab, (args.tokens,), generator=generator)
+    grad = torch.softmax(logits, dim=1) - torch.nn.functional.one_hot(labels, args.label_vocab)
+    rms = grad.pow(2).mean().sqrt()
+    print(
+        f"\nlogits-gradient label recovery (argmin of each received row): vocab "
+        f"{args.label_vocab}, {args.tokens} tokens (chance {1 / args.label_vocab:.3%})"
+    )
+    print(f"{'noise_scale':>12}{'effective':>11}{'shares':>10}")
+    for base in args.scales:
+        scale = noise_scale(base, args.label_vocab)
+        received = grad + torch.randn(grad.shape, generator=generator) * rms * scale
+        rate = float((received.argmin(dim=1) == labels).float().mean())
+        print(f"{base:>12g}{scale:>11.0f}{rate:>10.1%}")
 
 
 def _project_away(received: torch.Tensor, k: int) -> torch.Tensor:
@@ -132,13 +157,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--label-vocab", type=int, default=32000)
+    parser.add_argument("--only", choices=("pca", "decoding"), default=None)
     parser.add_argument("--scales", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    pca_table(args)
-    decoding_table(args)
+    if args.only != "decoding":
+        pca_table(args)
+    if args.only != "pca":
+        decoding_table(args)
+        label_table(args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ import torch
 import symbiont
 from symbiont import BaseExecutor
 from symbiont.cli import main
-from symbiont.client.masking import MaskConfig, PoolMaskedExecutor, SharesExecutor
+from symbiont.client.masking import (
+    MaskConfig,
+    PoolMaskedExecutor,
+    SharesExecutor,
+    noise_scale,
+)
 from symbiont.model.default import default_dataset
 from symbiont.processes import ServerProcess
 from symbiont.serve import EngineConfig
@@ -24,6 +29,7 @@ from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
 from symbiont.tenant import open_executor
 from tests.masking_attacks import Recorder
+from tests.test_readme import python_blocks
 from tests.tiny_models import ARCHS as TINY
 from tests.tiny_models import build_checkpoint
 
@@ -242,3 +248,28 @@ def test_cli_refuses_bad_combinations(checkpoints, capsys):
     with pytest.raises(SystemExit):
         main([*args, "--mask-activations", "secret"])
     assert "invalid choice: 'secret'" in capsys.readouterr().err
+
+
+def test_the_readme_masked_snippet_runs(model_dir):
+    (snippet,) = [b for b in python_blocks() if "mask_activations" in b]
+    namespace: dict = {}
+    exec(snippet.replace("default_model()", repr(str(model_dir))), namespace)  # noqa: S102
+    assert isinstance(namespace["model"].model.layers[0].mlp.up_proj.executor, SharesExecutor)
+    assert namespace["logits"].shape[:2] == (1, 4)
+
+
+def test_noise_grows_with_the_width_above_1024():
+    assert noise_scale(64.0, 32) == noise_scale(64.0, 1024) == 64.0
+    assert noise_scale(64.0, 4096) == 128.0  # a wider row: any one direction holds more
+
+
+def test_a_float64_base_keeps_a_float32_client_exact(checkpoints):
+    """The remedy for wide models (docs/privacy.md): masks cost the base's precision,
+    not the client's."""
+    path = checkpoints("llama")
+    want = symbiont.load_client(path, BaseExecutor.from_pretrained(path))
+    wide = BaseExecutor.from_pretrained(path, dtype="float64")
+    got = symbiont.load_client(path, wide, dtype=torch.float32, mask_activations="pool")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert relative(got(ids).logits, want(ids).logits) < 1e-6

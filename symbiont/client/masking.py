@@ -15,9 +15,9 @@ backward alike (backward sends `grad_y + m` and removes `m W`):
   full-rank `r`; `x + r` goes to one, `-r` to the other, and the replies add up to
   `x Wᵀ + 2b` (the bias is subtracted once, read from the checkpoint).
 
-Noise is Gaussian with `noise_scale` times the root mean square of the call's own
-tensor, so each received tensor is at most `1 / noise_scale` correlated with the true
-one. Calls that take the very same input (q/k/v projections of one hidden state) get the
+Noise is Gaussian with `noise_scale` (64; growing as √width above 1024) times the root
+mean square of the call's own tensor, so each received tensor is at most
+`1 / noise_scale` correlated with the true one. Calls that take the very same input (q/k/v projections of one hidden state) get the
 very same mask: averaging them gains an executor nothing, and the transport can still
 fuse them into one round trip.
 
@@ -42,6 +42,7 @@ from symbiont.protocol.executor import Executor, ExecutorError, Manifest, Op, ch
 # Masks are `noise_scale` times larger than the activations, so the answer keeps
 # log2(noise_scale) bits fewer of precision: fine in float32, ruinous in 16-bit types.
 MASKABLE_DTYPES = (torch.float32, torch.float64)
+REFERENCE_WIDTH = 1024  # noise_scale applies up to this width, and grows as √width above
 
 
 class MaskMode(StrEnum):
@@ -59,7 +60,8 @@ class MaskConfig:
     mode: MaskMode = MaskMode.POOL
     pool_size: int = field(default=16, metadata={"help": "K: noises per input width (pool)"})
     noise_scale: float = field(
-        default=64.0, metadata={"help": "noise rms / activation rms of each call"}
+        default=64.0,
+        metadata={"help": "noise rms / activation rms of each call, at widths up to 1024"},
     )
     seed: int | None = None  # None: secret, from the OS; an int only for reproducible tests
 
@@ -369,15 +371,25 @@ class _Noise:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """noise_scale x rms(x), a 0-dim tensor (no device sync); never 0."""
+        """The noise rms for x [n_tokens, width]: rms(x) times `noise_scale(width)`, a
+        0-dim tensor (no device sync); never 0."""
         rms = x.pow(2).mean().sqrt()
-        return rms.clamp_min(torch.finfo(x.dtype).tiny) * self.config.noise_scale
+        factor = noise_scale(self.config.noise_scale, x.shape[1])
+        return rms.clamp_min(torch.finfo(x.dtype).tiny) * factor
 
     def normal(self, shape, like: torch.Tensor) -> torch.Tensor:
         generator = self._generators.get(like.device)
         if generator is None:
             generator = self._generators[like.device] = _generator(self.config.seed, like.device)
         return torch.randn(shape, generator=generator, dtype=like.dtype, device=like.device)
+
+
+def noise_scale(base: float, width: int) -> float:
+    """Noise rms / signal rms at `width`: `base` up to REFERENCE_WIDTH, growing with
+    √(width / REFERENCE_WIDTH) above. A wider row concentrates more of its energy in any
+    one direction (a token's embedding, the label's coordinate of a logits gradient)
+    relative to its rms; the noise along each direction must keep pace."""
+    return base * max(1.0, (width / REFERENCE_WIDTH) ** 0.5)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -433,4 +445,5 @@ __all__ = [
     "SharesExecutor",
     "mask_config",
     "mask_executors",
+    "noise_scale",
 ]
