@@ -447,3 +447,30 @@ def test_memory_holds_one_decoder_layer_at_a_time(pair, tmp_path, monkeypatch):
     decoder = [(index, real) for index, real in seen if index < 2]
     assert decoder and all(real == [index] for index, real in decoder), seen
     assert seen[-1] == (2, []), "the output projection is solved with every layer released"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.pop("layers"),
+        lambda m: m.update(params={"a": 1}),
+        lambda m: m.update(files=[]),
+        lambda m: m["layers"].append(7),
+        lambda m: m["layers"][0].pop("shape"),
+        lambda m: m["layers"][0].update(shape=[4, 4, 4]),
+        lambda m: m["layers"][0].update(shape=[0, 32]),
+        lambda m: m["layers"][0].update(shape=[32, 64]),
+        lambda m: m["layers"][0].update(group_size="x"),
+        lambda m: m["layers"][0].update(sparsity="4:8"),
+        lambda m: m["params"][0].pop("kind"),
+        lambda m: m["params"][0].update(kind="int8"),
+        lambda m: m["params"][0].update(shape=[1, 2, 3]),
+        lambda m: m["params"][0].update(name="nowhere"),
+        lambda m: m.update(format="other"),
+    ],
+)
+def test_any_malformed_manifest_is_a_clear_refusal(pair, tmp_path, edit):
+    copy = copy_delta(pair[2], tmp_path)
+    rewrite(copy, edit_manifest=edit)
+    with pytest.raises(DeltaFormatError):
+        load_delta(copy)

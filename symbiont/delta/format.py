@@ -175,9 +175,15 @@ def read_manifest(folder: str | os.PathLike) -> dict:
             f"{file} has format version {manifest.get('version')}, this symbiont reads "
             f"version {VERSION}; re-compress the delta with this version"
         )
-    for key in ("base", "layers", "params", "files", "compression"):
-        if key not in manifest:
-            raise DeltaFormatError(f"{file} lacks {key!r}; re-compress the delta")
+    kinds = {"base": dict, "layers": list, "params": list, "files": dict, "compression": dict}
+    for key, kind in kinds.items():
+        if not isinstance(manifest.get(key), kind):
+            raise DeltaFormatError(
+                f"{file} lacks {key!r} (a JSON {kind.__name__}); re-compress the delta"
+            )
+    entries = [*manifest["layers"], *manifest["params"], *manifest["files"].values()]
+    if not all(isinstance(entry, dict) for entry in entries):
+        raise DeltaFormatError(f"{file} has a malformed layer, parameter or file entry")
     return manifest
 
 
@@ -238,6 +244,8 @@ def _layer_from(entry: dict, tensors: dict) -> PackedLayer:
         bits, sparsity, group_size = int(entry["bits"]), entry["sparsity"], int(entry["group_size"])
     except (KeyError, TypeError, ValueError) as err:
         raise DeltaFormatError(f"manifest layer entry {entry!r} is malformed: {err}") from err
+    if len(shape) != 2 or min(shape) < 1:
+        raise DeltaFormatError(f"layer {name}: shape {list(shape)} is not [out, in]")
     if sparsity not in ("2:4", "none"):
         raise DeltaFormatError(f"layer {name}: unknown sparsity {sparsity!r} (2:4 or none)")
     two_four = sparsity == "2:4"
@@ -261,10 +269,11 @@ def _layer_from(entry: dict, tensors: dict) -> PackedLayer:
 
 
 def _param_from(entry: dict, tensors: dict) -> ParamDelta:
-    name = entry["name"]
+    try:
+        name, kind, shape = entry["name"], entry["kind"], tuple(int(n) for n in entry["shape"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise DeltaFormatError(f"manifest parameter entry {entry!r} is malformed: {err}") from err
     rows = tensors.get(f"{name}.rows")
-    param = ParamDelta(
-        name, entry["kind"], tuple(entry["shape"]), _tensor(tensors, f"{name}.delta"), rows
-    )
+    param = ParamDelta(name, kind, shape, _tensor(tensors, f"{name}.delta"), rows)
     param.validate()
     return param
