@@ -28,10 +28,11 @@ of small requests cannot starve a large one.
 Quotas: T_min = S * E * (lambda + 1/SLO) per queue (S: its largest request, E: its mean
 service time, lambda: its arrival rate; our reconstruction of Chameleon's), at least S;
 what remains of the capacity is split in proportion to K, K-1, ..., 1 (smaller queues
-more). Bypass: when the head of a queue waits for its adapter (loading, or no free slot),
-younger requests of the queue may pass it while all requests that passed a head hold at
-most `SQUASH_LIMIT` (5%) of the capacity. We never preempt, so nothing is squashed: the
-limit bounds how long bypassing can delay the head instead.
+more). Bypass: when the head of a queue waits for a slot for its adapter (every slot is
+used by running requests), younger requests of the queue may pass it while all requests
+that passed such a head hold at most `SQUASH_LIMIT` (5%) of the capacity; a head whose
+adapter is still loading (off the step thread) is passed freely, as in FIFO. We never
+preempt, so nothing is squashed: the limit bounds how long bypassing can delay the head.
 """
 
 from __future__ import annotations
@@ -298,8 +299,10 @@ class MLQScheduler(Scheduler):
             verdict = self.try_admit(seq)
             if verdict is Admit.NO_ROOM:
                 return budget, True, True
+            if verdict is Admit.LOADING:
+                continue  # loading off the step thread: passing it delays it in nothing
             if verdict is Admit.WAIT:
-                head_waiting = True  # its adapter is not resident yet: others may bypass
+                head_waiting = True  # it needs a slot that is not free: bypass is limited
                 continue
             if head_waiting:
                 self._bypassing.add(seq)

@@ -63,7 +63,8 @@ class ScheduledSeq:
 class Admit(Enum):
     OK = "ok"
     NO_ROOM = "no_room"  # no running room or KV blocks: admission stops here
-    WAIT = "wait"  # its adapter is not resident yet: skipped this iteration
+    LOADING = "loading"  # its adapter is being read from disk: skipped this iteration
+    WAIT = "wait"  # its adapter needs a slot none can give now: skipped this iteration
 
 
 class Scheduler:
@@ -126,8 +127,9 @@ class Scheduler:
         need = self.kv_cache.blocks_for(self.reserved_len(seq))
         if not self.kv_cache.allocator.can_allocate(need):
             return Admit.NO_ROOM
-        if not self._place_adapter(seq):
-            return Admit.WAIT
+        placement = self._place_adapter(seq)
+        if placement is not Placement.READY:
+            return Admit.LOADING if placement is Placement.LOADING else Admit.WAIT
         seq.blocks = self.kv_cache.allocator.allocate(need)
         seq.status = SeqStatus.RUNNING
         seq.admitted_at = time.monotonic()
@@ -135,17 +137,17 @@ class Scheduler:
         self.waiting.remove(seq)
         return Admit.OK
 
-    def _place_adapter(self, seq: Sequence) -> bool:
-        """Whether `seq`'s adapter is in a slot (placing it there if it can)."""
+    def _place_adapter(self, seq: Sequence) -> Placement:
+        """Put `seq`'s adapter in a slot if it can (READY), or say why not."""
         if seq.cached_adapter is None or seq.adapter_slot:
-            return True
+            return Placement.READY
         if self._slot_blocked or self.cache is None:
-            return False
+            return Placement.NO_SLOT
         placement, slot = self.cache.place(seq.cached_adapter)
         if placement is Placement.NO_SLOT:
             self._slot_blocked = True
         seq.adapter_slot = slot
-        return placement is Placement.READY
+        return placement
 
     def reserved_len(self, seq: Sequence) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
