@@ -98,7 +98,10 @@ def test_small_requests_pass_a_large_one_only_with_mlq(base, policy, one_thread)
     large, smalls = _queue_up(engine, small=6)
     if policy == "mlq":
         engine.scheduler.refresh()
-        assert len(engine.scheduler.levels) == 2
+        levels = engine.scheduler.levels
+        assert len(levels) == 2
+        assert sum(level.quota for level in levels) == pytest.approx(64), "quotas split KV"
+        assert levels[0].quota >= 6 and levels[1].quota >= 44, "a queue fits its largest"
     _step_until(engine, lambda: all(r.finished for r in smalls))
     second_started = large[1].first_token_time is not None
     assert second_started is (policy == "fifo"), "MLQ smalls waited, or FIFO ones jumped"

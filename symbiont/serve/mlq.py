@@ -27,8 +27,9 @@ of small requests cannot starve a large one.
 
 Quotas: T_min = S * E * (lambda + 1/SLO) per queue (S: its largest request, E: its mean
 service time, lambda: its arrival rate; our reconstruction of Chameleon's), at least S;
-what remains of the capacity is split in proportion to K, K-1, ..., 1 (smaller queues
-more). Bypass: when the head of a queue waits for a slot for its adapter (every slot is
+if they exceed the capacity, what exceeds the S's is cut in proportion (each queue keeps
+room for its largest request while the S's fit); what remains of the capacity is split in
+proportion to K, K-1, ..., 1 (smaller queues more). Bypass: when the head of a queue waits for a slot for its adapter (every slot is
 used by running requests), younger requests of the queue may pass it while all requests
 that passed such a head hold at most `SQUASH_LIMIT` (5%) of the capacity; a head whose
 adapter is still loading (off the step thread) is passed freely, as in FIFO. We never
@@ -238,9 +239,8 @@ class MLQScheduler(Scheduler):
         for i, level in enumerate(self.levels):
             e = level.served[1] if level.served[0] else default_e
             t_min = largest[i] * e * (arrivals[i] / window + 1 / slo)
-            need.append(min(max(t_min, largest[i]), float(self.capacity)))
-        scale = min(1.0, self.capacity / max(sum(need), 1e-9))
-        need = [n * scale for n in need]
+            need.append(max(t_min, largest[i]))
+        need = _fit(need, largest, float(self.capacity))
         spare = self.capacity - sum(need)
         shares = [k - i for i in range(k)]
         for i, level in enumerate(self.levels):
@@ -332,6 +332,18 @@ class MLQScheduler(Scheduler):
         if seq.admitted_at is not None and seq.level < len(self.levels):
             level = self.levels[seq.level]
             level.served = _updated(level.served, time.monotonic() - seq.admitted_at)
+
+
+def _fit(need: list[float], floor: list[float], capacity: float) -> list[float]:
+    """Scale `need` into `capacity`, keeping each queue's `floor` (its largest request)
+    first where they all fit: only what exceeds the floors is cut, in proportion."""
+    if sum(need) <= capacity:
+        return need
+    if sum(floor) >= capacity:
+        return [f * capacity / sum(floor) for f in floor]
+    extra = [n - f for n, f in zip(need, floor, strict=True)]
+    scale = (capacity - sum(floor)) / sum(extra)
+    return [f + x * scale for f, x in zip(floor, extra, strict=True)]
 
 
 def _key(seq: Sequence) -> object:
