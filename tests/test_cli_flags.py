@@ -190,8 +190,17 @@ def documented_flags():
                 yield f"{page.name}:{number}", owners or set(SUBCOMMANDS), flag
 
 
+def all_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The parser's flags and those of its own subcommands (`symbiont delta compress`)."""
+    found = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found = found.union(*(all_options(sub) for sub in action.choices.values()))
+    return found
+
+
 def test_every_flag_the_docs_name_exists():
-    options = {c: set(subparser(c)._option_string_actions) for c in SUBCOMMANDS}
+    options = {c: all_options(subparser(c)) for c in SUBCOMMANDS}
     missing = [
         f"{where}: no {flag} in symbiont {' or '.join(sorted(owners))}"
         for where, owners, flag in documented_flags()
