@@ -474,3 +474,65 @@ def test_any_malformed_manifest_is_a_clear_refusal(pair, tmp_path, edit):
     rewrite(copy, edit_manifest=edit)
     with pytest.raises(DeltaFormatError):
         load_delta(copy)
+
+
+def sparsegpt_reference(w, hessian, bits, blocksize=128, percdamp=0.01, prunen=2, prunem=4):
+    """SparseGPT's `fasterprune` with GPTQ's asymmetric per-row quantizer, transcribed from
+    the published code (IST-DASLab/sparsegpt, sparsegpt.py and quant.py), plus our one
+    deliberate change: each scale rounded to bfloat16, as our format stores it."""
+    w = w.clone().float()
+    h = hessian.clone()
+    maxq = 2**bits - 1
+    xmin = torch.minimum(w.min(1).values, torch.zeros(w.shape[0]))
+    xmax = torch.maximum(w.max(1).values, torch.zeros(w.shape[0]))
+    both = (xmin == 0) & (xmax == 0)
+    xmin[both], xmax[both] = -1, 1
+    scale = ((xmax - xmin) / maxq).bfloat16().float()[:, None]
+    zero = torch.round(-xmin[:, None] / scale)
+
+    def quantize(x):
+        q = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
+        return scale * (q - zero)
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h[range(len(h)), range(len(h))] += percdamp * torch.mean(torch.diag(h))
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    columns = w.shape[1]
+    for i1 in range(0, columns, blocksize):
+        i2 = min(i1 + blocksize, columns)
+        w1 = w[:, i1:i2].clone()
+        q1 = torch.zeros_like(w1)
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        mask1 = torch.zeros_like(w1) == 1
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            d = hinv1[i, i]
+            if i % prunem == 0:
+                tmp = (
+                    w1[:, i : i + prunem] ** 2
+                    / (torch.diag(hinv1)[i : i + prunem].reshape((1, -1))) ** 2
+                )
+                mask1.scatter_(1, i + torch.topk(tmp, prunen, dim=1, largest=False)[1], True)
+            q = col.clone()
+            q[mask1[:, i]] = 0
+            q = quantize(q.unsqueeze(1)).flatten()
+            q1[:, i] = q
+            err = (col - q) / d
+            w1[:, i:] -= err.unsqueeze(1).matmul(hinv1[i, i:].unsqueeze(0))
+            err1[:, i] = err
+        w[:, i1:i2] = q1
+        w[:, i2:] -= err1.matmul(hinv[i1:i2, i2:])
+    return w
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_solver_matches_the_sparsegpt_reference(bits):
+    x = correlated_inputs(512, 256, seed=5)
+    delta = torch.randn(32, 256, generator=torch.Generator().manual_seed(6)) * 1e-3
+    hessian = x.T @ x / 512
+    want = sparsegpt_reference(delta, hessian, bits)
+    got = solve_obs(delta, hessian, CompressConfig(bits=bits, group_size=0)).dense()
+    assert torch.allclose(got, want, rtol=0, atol=1e-9), (got - want).abs().max()
