@@ -63,11 +63,12 @@ def build_checkpoint(folder: str, hidden: int, layers: int, vocab: int) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
 
-def open_executors(path, mode: str, servers) -> tuple[Counting, ...]:
+def open_executors(path, mode: str, servers, transport: str) -> tuple[Counting, ...]:
     count = 2 if mode == "shares" else 1
     if servers:
         return tuple(
-            Counting(symbiont.connect(s.url("tcp"), checkpoint=path)) for s in servers[:count]
+            Counting(symbiont.connect(s.url("tcp"), checkpoint=path, mode=transport))
+            for s in servers[:count]
         )
     return tuple(Counting(symbiont.BaseExecutor.from_pretrained(path)) for _ in range(count))
 
@@ -105,6 +106,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--remote", action="store_true", help="executors as serve-base (TCP)")
+    parser.add_argument(
+        "--transport",
+        choices=("shm", "zmq"),
+        default="shm",
+        help="with --remote: shared memory (same host) or ZeroMQ frames, as to another host",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,7 +128,7 @@ def main() -> None:
             for _ in range(2):
                 server = ServerProcess(folder, bind=("tcp://127.0.0.1:*",), args=argv)
                 servers.append(stack.enter_context(server.start()))
-        executors = {m: open_executors(folder, m, servers) for m in MODES}
+        executors = {m: open_executors(folder, m, servers, args.transport) for m in MODES}
         models = {m: client(folder, executors[m], m) for m in MODES}
         times = {m: {"train": [], "generate": []} for m in MODES}
         bytes_per_step = {}
@@ -141,7 +148,7 @@ def main() -> None:
             for executor in pair:
                 executor.close()
 
-    placement = "serve-base over TCP" if args.remote else "in process"
+    placement = f"serve-base ({args.transport})" if args.remote else "in process"
     print(
         f"Llama hidden {args.hidden}, {args.layers} layers, LoRA r=16 all-linear; executors "
         f"{placement}; {ids.numel()} tokens per train step, {args.new_tokens} generated; "

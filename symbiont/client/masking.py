@@ -29,11 +29,13 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 
+from symbiont.client.remote import RemoteExecutor
 from symbiont.model.checkpoint import Checkpoint
 from symbiont.model.layers import base_forward, base_input_grad
 from symbiont.model.skeleton import build_skeleton, checkpoint_key
@@ -308,6 +310,10 @@ class SharesExecutor(Executor):
         self.biases = biases  # per layer [out] or None
         self._noise = _Noise(config)
         self._last = _LastInput()
+        # In-process executors compute on this process's cores: asking both at once
+        # would only make them compete. Remote ones wait on the network: overlap them.
+        remote = all(isinstance(_innermost(e), RemoteExecutor) for e in executors)
+        self._worker = ThreadPoolExecutor(1, "symbiont-share") if remote else None
 
     @property
     def manifest(self) -> Manifest:
@@ -322,17 +328,34 @@ class SharesExecutor(Executor):
             sent = (x + r, torch.neg(r))
             if op is Op.FORWARD:
                 self._last.remember(x, sent)
-        first, second = self.executors
-        y = torch.add(first.call(op, layer, sent[0]), second.call(op, layer, sent[1]))
+        y = torch.add(*self._both(op, layer, sent))
         bias = self.biases[layer] if op is Op.FORWARD else None
         if bias is not None:  # both replies carry it; keep it once
             y.sub_(_on(self.biases, layer, y.device))
         return y
 
+    def _both(self, op: Op, layer: int, sent: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both parties' answers; remote parties are asked at the same time, so a call
+        waits for the slower round trip rather than for the two in turn."""
+        first, second = self.executors
+        if self._worker is None:
+            return first.call(op, layer, sent[0]), second.call(op, layer, sent[1])
+        answer = self._worker.submit(second.call, op, layer, sent[1])
+        return first.call(op, layer, sent[0]), answer.result()
+
     def close(self) -> None:
         self._last.forget()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         for executor in self.executors:
             executor.close()
+
+
+def _innermost(executor: Executor) -> Executor:
+    """The executor under wrappers that keep it as `inner` (counters, recorders)."""
+    while isinstance(getattr(executor, "inner", None), Executor):
+        executor = executor.inner
+    return executor
 
 
 def _biases(checkpoint: Checkpoint, manifest: Manifest, device) -> list[torch.Tensor | None]:
