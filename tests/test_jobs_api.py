@@ -397,7 +397,13 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
         done = wait_for(api, create(api, data.id, suffix="first").id)
         reached = threading.Event()
         runner = runner_of(first)
-        runner.step_hook = lambda job_id, step: step == 7 and reached.set()
+
+        def pause_at_step_7(job_id: str, step: int) -> None:
+            if step == 7:  # hold the worker here until the server stops it
+                reached.set()
+                runner.stopping.wait(60)
+
+        runner.step_hook = pause_at_step_7
         interrupted = create(api, data.id, **spec)
         assert reached.wait(60), "the job never reached step 7"
     with BackgroundServer(config) as second:  # the same jobs dir
@@ -470,10 +476,10 @@ def serve_process(model_dir: Path, jobs_dir: Path, log: Path):
 
 def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
     jobs_dir, log = tmp_path / "jobs", tmp_path / "serve.log"
-    spec = {"hyperparameters": {"n_epochs": 2, "batch_size": 1}, "extra": {"checkpoint_every": 2}}
+    spec = {"hyperparameters": {"n_epochs": 3, "batch_size": 1}, "extra": {"checkpoint_every": 2}}
     with serve_process(model_dir, jobs_dir, log) as (process, api):
         data = upload(api, chats(8))
-        killed = create(api, data.id, suffix="killed", **spec)  # 16 steps
+        killed = create(api, data.id, suffix="killed", **spec)  # 24 steps
         while not list(api.fine_tuning.jobs.checkpoints.list(killed.id)):
             time.sleep(0.02)
         process.kill()  # kill -9 between checkpoints
@@ -487,7 +493,7 @@ def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
         events = list(api.fine_tuning.jobs.list_events(killed.id, limit=200))
         assert "Resumed after a restart" in [e.message for e in events]
         steps = [e.data["step"] for e in events if e.type == "metrics"]
-        assert sorted(steps) == list(range(1, 17)), "each step's metrics once, as one run"
+        assert sorted(steps) == list(range(1, 25)), "each step's metrics once, as one run"
         a = load_file(jobs_dir / "runs" / killed.id / "adapter_model.safetensors")
         b = load_file(jobs_dir / "runs" / uninterrupted.id / "adapter_model.safetensors")
         assert a.keys() == b.keys()

@@ -341,3 +341,42 @@ def test_server_config_checks_tenants(tmp_path, monkeypatch, changes, message):
         ServerConfig(model="m", **changes)
     assert message in str(caught.value)
     ServerConfig(model="m", tenants="tenants.json", host="0.0.0.0")  # tenants authenticate
+
+
+class _Overlap:
+    """An executor that records how many calls ran at once."""
+
+    manifest = None
+
+    def __init__(self):
+        self.running, self.most = 0, 0
+        self._lock = threading.Lock()
+
+    def call(self, op, layer, x):
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.001)
+        with self._lock:
+            self.running -= 1
+        return x
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_calls_on_a_shared_executor_never_interleave(shared):
+    """A shared executor object (masked ones keep state between calls) sees one call at a
+    time; a worker with its own connection is not serialized."""
+    inner = _Overlap()
+    gate = PriorityGate(max_wait_s=0.0, shared=shared)
+    sides = [InferenceExecutor(inner, gate), TrainingExecutor(inner, gate, check=lambda: None)]
+
+    def hammer(side):
+        for _ in range(40):
+            side.call(1, 0, torch.zeros(1))
+
+    threads = [threading.Thread(target=hammer, args=(side,)) for side in sides * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (inner.most == 1) == shared

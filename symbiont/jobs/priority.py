@@ -1,22 +1,30 @@
 """Priority classes on one base executor: inference calls before fine-tuning calls.
 
-The serving engine and the fine-tuning worker share the executor (in one process: the
-same `BaseExecutor` object, called from two threads). Both kinds of call are wrapped:
+The serving engine and the fine-tuning worker share the engine's executor object, called
+from two threads. Both kinds of call are wrapped:
 
-- `InferenceExecutor` counts the inference calls in flight (a lock and a counter);
+- `InferenceExecutor` counts the inference calls in flight;
 - `TrainingExecutor` waits, before each fine-tuning call, until no inference call is in
   flight, for at most `max_wait_s`, so a busy server slows fine-tuning down but never
   starves it; it also runs a check first (the worker's cancel/stop flag), so a cancel
   takes effect within one base-layer call.
 
+Calls on a shared executor are serialized (`PriorityGate.calls`, one lock): an executor
+may keep state between calls (a masked one remembers the last input and its mask, a
+remote one its connection), so two threads must not interleave inside it; and one call
+at a time is what makes the priority real (an inference call waits for at most the one
+fine-tuning call already running, never for a stream of them). A worker that reaches a
+`serve-base` over its own connection needs none of this: the gate is then `shared=False`.
+
 That is the cheap part of FlexLLM's co-serving: inference goes first whenever both wait,
 at the grain of one base-layer call (the token-level scheduler with a cost model is not
 built; see docs/jobs.md). The counter is read without the lock on the fast path, so a
-fine-tuning call pays nothing while the server is idle.
+fine-tuning call pays no wait while the server is idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -28,11 +36,16 @@ from symbiont.protocol.executor import Executor, Manifest, Op
 
 
 class PriorityGate:
-    def __init__(self, max_wait_s: float = 0.05):
+    def __init__(self, max_wait_s: float = 0.05, shared: bool = True):
         self.max_wait_s = max_wait_s
         self.waited_s = 0.0  # total time fine-tuning calls spent giving way
         self._in_flight = 0
         self._idle = threading.Condition()
+        self.calls = threading.Lock() if shared else contextlib.nullcontext()
+
+    def share(self, shared: bool) -> None:
+        """Whether both sides call one executor object (then calls are serialized)."""
+        self.calls = threading.Lock() if shared else contextlib.nullcontext()
 
     def inference_started(self) -> None:
         with self._idle:
@@ -74,7 +87,8 @@ class InferenceExecutor(_Wrapped):
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         self.gate.inference_started()
         try:
-            return self.inner.call(op, layer, x)
+            with self.gate.calls:
+                return self.inner.call(op, layer, x)
         finally:
             self.gate.inference_done()
 
@@ -87,7 +101,8 @@ class TrainingExecutor(_Wrapped):
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         self.check()
         self.gate.wait_for_inference()
-        return self.inner.call(op, layer, x)
+        with self.gate.calls:
+            return self.inner.call(op, layer, x)
 
 
 def model_executor(model: torch.nn.Module) -> Executor:

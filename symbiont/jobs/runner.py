@@ -66,6 +66,7 @@ class JobRunner:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="symbiont-jobs", daemon=True)
         self._site_ready = threading.Event()
+        self.republished = threading.Event()  # finished models are served again
 
     # -- control (any thread) ---------------------------------------------------------
 
@@ -96,6 +97,11 @@ class JobRunner:
             self._thread.join(timeout)
 
     @property
+    def stopping(self) -> threading.Event:
+        """Set once `stop` was called."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -105,7 +111,10 @@ class JobRunner:
         self._site_ready.wait()
         if self._stopping.is_set():
             return
-        self._republish()
+        try:
+            self._republish()
+        finally:
+            self.republished.set()
         while not self._stopping.is_set():
             job = self.store.next_runnable()
             if job is None:

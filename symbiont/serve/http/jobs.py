@@ -49,6 +49,7 @@ from symbiont.serve.http.protocol import error_body
 log = logging.getLogger(__name__)
 
 MAX_LIST = 10_000
+RESTORE_WAIT_S = 30.0  # longest a request waits for finished models to be served again
 JOB_RETRY_AFTER_S = 30  # a guess at when a running job may end; clients poll again then
 # Routes whose JSON body names a model (a foreign fine-tuned model must look nonexistent).
 MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -168,10 +169,12 @@ class JobsService:
         if tokenizer is None:
             self.unavailable = "the base model has no tokenizer, so it cannot be fine-tuned here"
             log.error("%s", self.unavailable)
+            self.runner.republished.set()  # nothing to restore: no job could have run
             return
         executor = model_executor(engine.model)
         training = _training_executor(executor, self.state.model_path)
         self._own_executor = training if training is not executor else None
+        gate.share(training is executor)
         self.site = Worksite(
             model_dir=self.state.model_path,
             base_name=self.state.model_name,
@@ -214,9 +217,10 @@ class JobsService:
 
 
 def _training_executor(executor, model_path: str):
-    """The executor fine-tuning calls go to: the engine's own object in this process
-    (thread-safe: each call is a pure matmul); a connection of its own to the same
-    `serve-base` when the engine reaches one by URL (a connection carries one call at a time)."""
+    """The executor fine-tuning calls go to: a connection of its own to the same
+    `serve-base` when the engine reaches one by plain URL (so that the base batches both
+    streams of calls); else the engine's own executor object (in-process, or masked),
+    whose calls the gate then serializes."""
     url = getattr(executor, "url", None)
     if url is None:
         return executor
@@ -231,6 +235,8 @@ def mount_jobs(app: FastAPI, state) -> JobsService:
     app.state.jobs = service
     app.include_router(_router(service))
     app.add_exception_handler(JobsError, _jobs_error)
+    if service.store is not None:
+        app.add_middleware(RestoredModels, service=service)
     if service.tenants is not None:
         app.add_middleware(TenantGate, service=service)
     inner = app.router.lifespan_context
@@ -519,6 +525,24 @@ def _name_of(model, module) -> str | None:
         if candidate is module:
             return name
     return None
+
+
+class RestoredModels:
+    """ASGI middleware: after a restart, a request that may name a fine-tuned model waits
+    (at most RESTORE_WAIT_S) until the worker has served the finished jobs' models again,
+    so a client that sees /health ok finds every model it had before."""
+
+    def __init__(self, app: ASGIApp, service: JobsService):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        restored = self.service.runner.republished
+        path = scope.get("path", "")
+        names_models = path in MODEL_ROUTES or path.startswith(("/v1/models", "/v1/adapters"))
+        loaded = self.service.state.engine is not None
+        if scope["type"] == "http" and names_models and loaded and not restored.is_set():
+            await asyncio.to_thread(restored.wait, RESTORE_WAIT_S)
+        await self.app(scope, receive, send)
 
 
 # -- tenants ----------------------------------------------------------------------------
