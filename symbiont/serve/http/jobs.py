@@ -160,6 +160,14 @@ class JobsService:
         while self.state.engine is None:
             if self._stopping.wait(0.05):
                 return
+        try:
+            self._open_site()
+        except Exception as err:  # noqa: BLE001 - reported to every job request, not lost
+            self.unavailable = f"the fine-tuning worker could not start ({err})"
+            log.error("%s", self.unavailable, exc_info=err)
+            self.runner.republished.set()
+
+    def _open_site(self) -> None:
         from symbiont.tenant import load_tokenizer
 
         engine = self.state.engine.engine
@@ -207,7 +215,7 @@ class JobsService:
     def ready_site(self) -> Worksite:
         self.state.ready()  # 503 while the model loads
         if self.unavailable is not None:
-            raise JobsError(400, self.unavailable, "model", "model_not_trainable")
+            raise JobsError(503, self.unavailable, "model", "jobs_unavailable")
         if self.site is None:
             raise JobsError(503, "the jobs worker is starting; retry shortly", None, "loading")
         return self.site
