@@ -62,6 +62,7 @@ class JobRunner:
         self.current: str | None = None  # id of the job being trained
         self.step_hook: Callable[[str, int], None] | None = None  # tests: after each step
         self._cancelled: set[str] = set()  # ids of jobs cancelled while they may run
+        self._recorded: set[str] = set()  # checkpoint folders of the current job with a row
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="symbiont-jobs", daemon=True)
@@ -140,7 +141,7 @@ class JobRunner:
         ):
             self._cancelled.discard(job.id)
             return  # cancelled meanwhile
-        self.current = job.id
+        self.current, self._recorded = job.id, set()
         try:
             self._finish(job, self._train(job))
         except _Abandon:
@@ -228,8 +229,10 @@ class JobRunner:
 
     def _record_checkpoints(self, job: JobRecord, out: Path) -> None:
         """Rows for checkpoints written since the last look (the loop saves after logging)."""
-        metrics = _metrics_by_step(out)
-        for folder in list_checkpoints(out):
+        new = [p for p in list_checkpoints(out) if p.name not in self._recorded]
+        metrics = _metrics_by_step(out) if new else {}
+        for folder in new:
+            self._recorded.add(folder.name)
             step = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))["step"]
             record = metrics.get(step, {})
             values = {"step": step, "train_loss": record.get("loss")}
