@@ -1,0 +1,309 @@
+"""Where a base-only decode step of `symbiont serve`'s engine spends its time (issue 17).
+
+    python benchmarks/profile_decode.py --model default --batch 32 --steps 48
+
+Three measurements on the same checkpoint, batch and prompts (base model only, greedy,
+EOS ignored):
+
+1. Engine phases, plain timers (no profiler): `batch` requests are prefilled, then
+   `--steps` decode steps (one token for every sequence each) are timed phase by phase
+   by wrapping the engine's own callables: scheduling (`scheduler.schedule`), batch
+   preparation (`runner.prepare`), the model forward (`runner.forward`), sampling
+   (`decoding.sample` and the log-probability pick), output processing
+   (`output.append`: stop rule, bookkeeping) and, inside it, detokenisation
+   (`TextTracker.update`); the rest of `Engine.step` is reported as "step, other".
+2. The forward split, torch.profiler on further decode steps: matmul (aten mm/addmm/
+   bmm/linear, outside attention), attention (everything under the paged attention
+   function), other tensor ops (norms, rotary, embedding, adds), and Python overhead
+   (forward wall time minus the time of all tensor ops). The fractions are applied to
+   the unprofiled forward time of (1), since the profiler inflates Python time.
+3. HTTP: the same batch through `BackgroundServer` (streaming /v1/completions, token-id
+   prompts); the engine thread's time outside `Engine.step` between steps is what the
+   server (asyncio event loop, HTTP framing, SSE encoding, handing outputs over, the GIL
+   they share with the engine thread) costs each step.
+
+Prints a table of ms per decode step and % of the step; `--json PATH` writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+
+
+class Timers:
+    """Accumulated wall time per phase name while `active`."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.active = False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            if not self.active:
+                return fn(*args, **kw)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.total[name] += time.perf_counter() - start
+
+        return timed
+
+
+def instrument(engine, timers: Timers) -> None:
+    """Wrap the engine's phases (instance attributes and the module-level functions the
+    engine calls) with `timers`."""
+    import symbiont.serve.engine as engine_module
+    from symbiont.decoding import TextTracker
+
+    engine.scheduler.schedule = timers.wrap("scheduling", engine.scheduler.schedule)
+    engine.runner.prepare = timers.wrap("batch preparation", engine.runner.prepare)
+    engine.runner.forward = timers.wrap("forward", engine.runner.forward)
+    engine.output.append = timers.wrap("output processing", engine.output.append)
+    engine_module.sample = timers.wrap("sampling", engine_module.sample)
+    engine_module._sampled_logprobs = timers.wrap("sampling", engine_module._sampled_logprobs)
+    if not getattr(TextTracker.update, "_profiled", False):
+        update = timers.wrap("detokenisation", TextTracker.update)
+        update._profiled = True
+        TextTracker.update = update
+    engine.step = timers.wrap("step", engine.step)
+
+
+def requests(args, vocab: int):
+    from symbiont.decoding import SamplingParams
+    from symbiont.serve.sequence import Request
+
+    gen = torch.Generator().manual_seed(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [
+        torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist()
+        for _ in range(args.batch)
+    ]
+    return prompts, [
+        Request(f"profile-{i}", prompt, None, params) for i, prompt in enumerate(prompts)
+    ]
+
+
+def engine_phases(args, engine) -> tuple[dict[str, float], int]:
+    """ms per decode step of each phase (plain timers)."""
+    timers = Timers()
+    instrument(engine, timers)
+    _, reqs = requests(args, engine.runner.vocab_size)
+    for request in reqs:
+        engine.add_request(request)
+    while any(seq.num_computed < seq.prompt_len for r in reqs for seq in r.sequences):
+        engine.step()  # prefill (chunked) until every sequence decodes
+    for _ in range(3):
+        engine.step()  # warm
+    timers.active = True
+    for _ in range(args.steps):
+        engine.step()
+    timers.active = False
+    sequences = sum(1 for r in reqs for s in r.sequences if not s.finished)
+    per_step = {k: v * 1000 / args.steps for k, v in timers.total.items()}
+    return per_step, sequences, reqs  # noqa: RET504
+
+
+def forward_split(args, engine) -> dict[str, float]:
+    """Fractions of the forward's time: matmul, attention, other ops, Python."""
+    from transformers import AttentionInterface
+
+    from symbiont.serve.attention import ATTN_IMPLEMENTATION, paged_attention
+
+    def attention(*a, **kw):
+        with torch.profiler.record_function("symbiont::attention"):
+            return paged_attention(*a, **kw)
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+    forward = engine.runner.forward
+    walls = []
+
+    def timed_forward(batch):
+        with torch.profiler.record_function("symbiont::forward"):
+            start = time.perf_counter()
+            out = forward(batch)
+            walls.append(time.perf_counter() - start)
+            return out
+
+    engine.runner.forward = timed_forward
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+    engine.runner.forward = forward
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    totals = defaultdict(float)
+    for event in prof.events():
+        if event.name == "symbiont::forward":
+            totals["forward"] += event.cpu_time_total
+            continue
+        if not event.name.startswith("aten::") or not _inside(event, "symbiont::forward"):
+            continue
+        self_us = event.self_cpu_time_total
+        if _inside(event, "symbiont::attention"):
+            totals["attention"] += self_us
+        elif event.name in MATMUL_OPS:
+            totals["matmul"] += self_us
+        else:
+            totals["other tensor ops"] += self_us
+    ops = totals["attention"] + totals["matmul"] + totals["other tensor ops"]
+    totals["python overhead"] = max(0.0, totals["forward"] - ops)
+    return {k: totals[k] / totals["forward"] for k in totals if k != "forward"}
+
+
+def _inside(event, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def http_cost(args, model: str) -> tuple[float, float, int]:
+    """(ms per step outside Engine.step, ms per step inside it, steps) through the HTTP
+    server, measured over the whole run (prefill steps included)."""
+    import httpx
+
+    from symbiont.serve import EngineConfig
+    from symbiont.serve.config import ServerConfig
+    from symbiont.serve.engine import Engine
+    from symbiont.serve.http.server import BackgroundServer
+
+    stamps = []  # (start, end) of every Engine.step
+    step = Engine.step
+
+    def timed_step(self):
+        start = time.perf_counter()
+        out = step(self)
+        if not self.stalled:
+            stamps.append((start, time.perf_counter()))
+        return out
+
+    Engine.step = timed_step
+    config = ServerConfig(
+        model=model,
+        port=0,
+        served_model_name="base",
+        engine=EngineConfig(
+            max_running=args.batch,
+            max_batched_tokens=args.max_batched_tokens,
+            max_queue=args.batch + 1,
+        ),
+    )
+    try:
+        with BackgroundServer(config) as server:
+            prompts, _ = requests(args, 10_000 if model is None else _vocab(model))
+
+            async def run_all():
+                async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+
+                    async def one(prompt):
+                        body = {
+                            "model": "base",
+                            "prompt": prompt,
+                            "max_tokens": args.max_tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": True,
+                        }
+                        async with client.stream("POST", "/v1/completions", json=body) as r:
+                            async for _ in r.aiter_lines():
+                                pass
+
+                    await asyncio.gather(*(one(p) for p in prompts[:4]))  # warm
+                    stamps.clear()
+                    await asyncio.gather(*(one(p) for p in prompts))
+
+            asyncio.run(run_all())
+    finally:
+        Engine.step = step
+    inside = sum(end - start for start, end in stamps)
+    span = stamps[-1][1] - stamps[0][0]
+    n = len(stamps)
+    return (span - inside) * 1000 / n, inside * 1000 / n, n
+
+
+def _vocab(model: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model).vocab_size
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
+    p.add_argument("--batch", type=int, default=32, help="sequences decoding together")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode steps profiled")
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the breakdown here")
+    args = p.parse_args(argv)
+    args.max_tokens = args.steps + args.profile_steps + 8
+    torch.set_num_threads(args.threads)
+
+    import symbiont
+    from symbiont.serve import EngineConfig
+    from symbiont.serve.engine import Engine
+
+    model = str(symbiont.default_model()) if args.model == "default" else args.model
+    config = EngineConfig(
+        max_running=args.batch, max_batched_tokens=args.max_batched_tokens, max_queue=args.batch
+    )
+    engine = Engine.from_pretrained(model, config=config)
+    phases, sequences, _ = engine_phases(args, engine)
+    split = forward_split(args, engine)
+    outside, inside, http_steps = http_cost(args, model)
+
+    step = phases["step"]
+    rows = []
+    forward = phases.get("forward", 0.0)
+    for name in ("matmul", "attention", "other tensor ops", "python overhead"):
+        rows.append((f"forward: {name}", forward * split.get(name, 0.0)))
+    rows.append(("sampling (+ logprob pick)", phases.get("sampling", 0.0)))
+    detok = phases.get("detokenisation", 0.0)
+    rows.append(("output processing (stop rule, bookkeeping)", phases["output processing"] - detok))
+    rows.append(("detokenisation", detok))
+    rows.append(("scheduling", phases.get("scheduling", 0.0)))
+    rows.append(("batch preparation", phases.get("batch preparation", 0.0)))
+    accounted = sum(
+        phases.get(k, 0.0)
+        for k in ("forward", "sampling", "output processing", "scheduling", "batch preparation")
+    )
+    rows.append(("step, other (Python in Engine.step)", step - accounted))
+    rows.append(("HTTP server + hand-off (outside Engine.step)", outside))
+    total = step + outside
+    print(
+        f"model {model}: {sequences} sequences decoding, prompts {args.prompt_len} tokens, "
+        f"{args.threads} thread(s), {args.steps} steps timed, {args.profile_steps} profiled; "
+        f"HTTP over {http_steps} steps (Engine.step there {inside:.2f} ms/step)\n"
+    )
+    print("| part of a decode step | ms/step | % |\n|---|---:|---:|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% |")
+    print(f"| **total (engine step {step:.2f} + HTTP {outside:.2f})** | {total:.2f} | 100% |")
+    print(f"\nengine-only decode: {sequences * 1000 / step:.0f} tokens/s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "step_ms": step, "http_ms": outside}, out, indent=1)
+    with contextlib.suppress(Exception):
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
