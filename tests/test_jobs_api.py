@@ -217,6 +217,25 @@ def test_other_tenants_see_nothing(server, alice, bob, model_dir):
         model,
         "ft:nobody:x",
     )
+
+    def tokenize(key: str, name: str) -> httpx.Response:
+        body = {"model": name, "prompt": "hi"}
+        return httpx.post(
+            f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+
+    assert tokenize(KEYS["alice"], model).status_code == 200
+    foreign, missing = tokenize(KEYS["bob"], model), tokenize(KEYS["bob"], "ft:nobody:x")
+    assert foreign.status_code == missing.status_code == 404
+    assert foreign.json() == json.loads(missing.text.replace("ft:nobody:x", model))
+
+    def adapters(key: str) -> list[str]:
+        headers = {"Authorization": f"Bearer {key}"}
+        return [
+            a["id"] for a in httpx.get(f"{server.url}/v1/adapters", headers=headers).json()["data"]
+        ]
+
+    assert model in adapters(KEYS["alice"]) and model not in adapters(KEYS["bob"])
     assert mine.id not in [f.id for f in bob.files.list()]
     assert job.id not in [j.id for j in bob.fine_tuning.jobs.list()]
     err = refused(create, bob, mine.id)  # a foreign file id, as a missing one
