@@ -34,12 +34,12 @@ def test_weighted_request_size_weights_each_normalised_term(base):
     engine = Engine.from_pretrained(base, config=MLQ)
     scheduler = engine.scheduler
     assert isinstance(scheduler, MLQScheduler)
+    engine.add_request(Request("big", [3] * 20, None, greedy(40)))
     engine.add_request(Request("r", [3] * 10, None, greedy(20)))
     seq = engine.requests["r"].sequences[0]
-    seq.adapter_rank = 32
-    n = engine.max_model_len
-    want = 0.3 * 10 / n + 0.5 * 20 / n + 0.2 * 32 / MLQ.max_lora_rank
+    want = 0.3 * 10 / 20 + 0.5 * 20 / 40  # each term over the largest seen; no adapter
     assert scheduler.wrs(seq) == pytest.approx(want)
+    assert scheduler.size((20.0, 20.0, 0.0)) == pytest.approx(0.3 + 0.25)
 
 
 def test_output_predictor_is_a_running_mean_per_adapter_capped_by_max_tokens():

@@ -3,11 +3,12 @@ lane, large ones keep a share of the capacity and never starve.
 
 Each request gets a weighted request size at arrival,
 
-    WRS = 0.3 * input / max_model_len + 0.5 * predicted output / max_model_len
-          + 0.2 * adapter rank / max_lora_rank
+    WRS = 0.3 * input / max input + 0.5 * predicted output / max predicted output
+          + 0.2 * adapter rank / max rank
 
-(each term normalised to [0, 1]; the output predictor is pluggable, by default a running
-mean of each adapter's output lengths capped by the request's `max_tokens`), and waits in
+(maxima over the requests seen, so each term spans [0, 1] whatever the workload's scale;
+the output predictor is pluggable, by default a running mean of each adapter's output
+lengths capped by the request's `max_tokens`), and waits in
 the queue whose WRS range holds it. Queues come from 1-D K-means over recent WRS values
 with K <= 4 chosen by the elbow: the smallest K after which one more cluster no longer
 cuts the within-cluster sum of squares to `ELBOW_RATIO` of what it was (the raw minimum
@@ -169,7 +170,8 @@ class MLQScheduler(Scheduler):
         self.capacity = kv_cache.num_slots  # tokens of KV: what quotas divide
         self.cutoffs: list[float] = []
         self.levels = [_Level(float(self.capacity))]
-        self._recent: deque[tuple[float, float, int]] = deque(maxlen=RECENT)  # t, wrs, cost
+        self._recent: deque[tuple[float, tuple, int]] = deque(maxlen=RECENT)  # t, terms, cost
+        self._largest = (0.0, 0.0, 0.0)  # largest input, predicted output, rank seen
         self._refreshed: float | None = None
         self._bypassing: set[Sequence] = set()
         self._starving: int | None = None  # queue that admits first next iteration
@@ -180,21 +182,27 @@ class MLQScheduler(Scheduler):
         super().add(seqs)
         now = time.monotonic()
         for seq in seqs:
-            size = self.wrs(seq)
-            seq.level = bisect.bisect_right(self.cutoffs, size)
-            self._recent.append((now, size, self.reserved_len(seq)))
+            terms = self.terms(seq)
+            self._largest = tuple(map(max, self._largest, terms))
+            seq.level = self.level_of(self.size(terms))
+            self._recent.append((now, terms, self.reserved_len(seq)))
         if self._due(now):
             self.refresh(now)
 
-    def wrs(self, seq: Sequence) -> float:
-        """Weighted request size: input, predicted output and adapter rank, normalised."""
-        w = self.weights
+    def terms(self, seq: Sequence) -> tuple[float, float, float]:
+        """(input tokens, predicted output tokens, adapter rank) of a request."""
         predicted = self.predictor.predict(_key(seq), seq.params.max_tokens)
-        return (
-            w.input * seq.prompt_len / self.max_model_len
-            + w.output * predicted / self.max_model_len
-            + w.rank * seq.adapter_rank / self.config.max_lora_rank
-        )
+        return float(seq.prompt_len), predicted, float(seq.adapter_rank)
+
+    def size(self, terms: tuple[float, float, float]) -> float:
+        """WRS: each term over the largest seen so far (so each spans [0, 1]), weighted."""
+        w = self.weights
+        n_in, n_out, n_rank = (max(m, 1.0) for m in self._largest)
+        return w.input * terms[0] / n_in + w.output * terms[1] / n_out + w.rank * terms[2] / n_rank
+
+    def wrs(self, seq: Sequence) -> float:
+        """Weighted request size of `seq` (input, predicted output, adapter rank)."""
+        return self.size(self.terms(seq))
 
     def _due(self, now: float) -> bool:
         if self._refreshed is None:
@@ -209,7 +217,7 @@ class MLQScheduler(Scheduler):
         self._refreshed = now
         if not self._recent:
             return
-        _, centroids = elbow_k([size for _, size, _ in self._recent])
+        _, centroids = elbow_k([self.size(terms) for _, terms, _ in self._recent])
         served = self._service_times()
         self.cutoffs = midpoints(centroids)
         self.levels = [_Level(0.0, served.get(i, (0, 0.0))) for i in range(len(centroids))]
@@ -230,8 +238,8 @@ class MLQScheduler(Scheduler):
         k, slo = len(self.levels), self.config.mlq_slo_s
         window = max(now - self._recent[0][0], 1e-3)
         largest, arrivals = [0.0] * k, [0] * k
-        for _, size, cost in self._recent:
-            i = self.level_of(size)
+        for _, terms, cost in self._recent:
+            i = self.level_of(self.size(terms))
             largest[i], arrivals[i] = max(largest[i], float(cost)), arrivals[i] + 1
         overall = [lv.served[1] for lv in self.levels if lv.served[0]]
         default_e = sum(overall) / len(overall) if overall else slo
