@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -424,31 +425,29 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
 class _LastInput:
     """The last forward input and what was sent for it, so that layers fed the very same
     tensor (q/k/v, gate/up) get the very same mask. Matching is by storage, layout and
-    in-place version (or content, for inference tensors that keep no version)."""
+    in-place version (or content, for inference tensors that keep no version). Kept per
+    thread: two threads' calls never share a mask."""
 
     def __init__(self) -> None:
-        self.x: torch.Tensor | None = None
-        self.version: int | None = None
-        self.copy: torch.Tensor | None = None
-        self.sent: tuple | None = None
+        self._local = threading.local()
 
     def reuse(self, x: torch.Tensor) -> tuple | None:
-        seen = self.x
-        if seen is None or not _same_layout(x, seen):
+        state = getattr(self._local, "state", None)  # (x, version, copy, sent)
+        if state is None or not _same_layout(x, state[0]):
             return None
-        if self.copy is not None:
-            return self.sent if torch.equal(x, self.copy) else None
-        return self.sent if x._version == self.version else None
+        seen, version, copy, sent = state
+        if copy is not None:
+            return sent if torch.equal(x, copy) else None
+        return sent if x._version == version else None
 
     def remember(self, x: torch.Tensor, sent: tuple) -> None:
-        self.x, self.sent = x, sent
         if x.is_inference():
-            self.version, self.copy = None, x.clone()
+            self._local.state = (x, None, x.clone(), sent)
         else:
-            self.version, self.copy = x._version, None
+            self._local.state = (x, x._version, None, sent)
 
     def forget(self) -> None:
-        self.x = self.copy = self.sent = None
+        self._local.state = None
 
 
 def _same_layout(x: torch.Tensor, seen: torch.Tensor) -> bool:
