@@ -44,7 +44,8 @@ def open_executor(
         raise ValueError(
             "--mask-activations shares needs two executors run by parties that do not "
             f"collude, got {'none' if urls == (None,) else len(urls)}: pass "
-            "--executor URL_A --executor URL_B"
+            "--executor URL_A --executor URL_B (symbiont serve: --executor URL_A "
+            "--second-executor URL_B)"
         )
     executors = [_open_one(model_dir, one, device=device, dtype=dtype) for one in urls]
     try:
