@@ -343,18 +343,26 @@ class TextTracker:
     """The text of one sequence as its tokens arrive: cut at the first stop string, and
     released only once final (`held_back`). `update` returns the newly final text."""
 
+    ANCHOR_EVERY = 8  # tokens decoded past the anchor before it moves up
+
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
         self.text = ""  # decoded output, stop string and what follows removed
         self.released = ""  # text already handed out (a prefix of `text`)
         self.stopped = False  # a stop string was found
+        # Decoding the whole output at every token costs O(n) per token. Where decoding is
+        # concatenative at a complete character (`_decodes_by_bytes`), the text of a prefix
+        # (the anchor) is kept and only the tokens after it are decoded.
+        self._by_bytes = _decodes_by_bytes(tokenizer)
+        self._anchor_ids: list[int] = []  # a prefix of the output whose text ends cleanly
+        self._anchor_text = ""  # == decode(_anchor_ids)
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """Decode the output tokens (without a token that ended the sequence) and return the
         text that became final; `final` releases everything held back."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = self._decode(token_ids)
         cut = first_stop(text, self.stop)
         if cut is not None:
             text, self.stopped, final = text[:cut], True, True
@@ -364,6 +372,34 @@ class TextTracker:
             return ""
         new, self.released = safe[len(self.released) :], safe
         return new
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """`tokenizer.decode(token_ids, skip_special_tokens=True)`, from the anchor on when
+        `token_ids` extends it."""
+        if not self._by_bytes:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        n = len(self._anchor_ids)
+        if len(token_ids) < n or token_ids[:n] != self._anchor_ids:
+            n, self._anchor_ids, self._anchor_text = 0, [], ""
+        text = self._anchor_text + self.tokenizer.decode(token_ids[n:], skip_special_tokens=True)
+        # A text not ending in U+FFFD ends on a complete UTF-8 character, so the next
+        # tokens' bytes cannot merge with it: decode(a + b) == decode(a) + decode(b).
+        if len(token_ids) - n >= self.ANCHOR_EVERY and not text.endswith("\ufffd"):
+            self._anchor_ids, self._anchor_text = list(token_ids), text
+        return text
+
+
+def _decodes_by_bytes(tokenizer) -> bool:
+    """Whether `tokenizer.decode` maps each token to bytes and decodes their concatenation
+    as UTF-8 (a Hugging Face fast tokenizer whose decoder is ByteLevel, with no clean-up of
+    spaces): then decoding splits at any complete character."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return (
+        type(decoder).__name__ == "ByteLevel"
+        and type(decoder).__module__.startswith("tokenizers")
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
 
 
 # -- one prompt through Hugging Face generate ---------------------------------------------

@@ -173,3 +173,29 @@ def test_stop_string_cuts_text_and_holds_back_its_prefix():
 def test_sampling_params_import_without_torch():
     code = "import sys, symbiont.decoding; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_text_tracker_decodes_from_an_anchor_exactly_as_the_whole_output(model_dir):
+    """The incremental decode (anchor + tail) equals decoding the whole output at every
+    token, multi-byte characters split across tokens and special tokens included."""
+    from transformers import AutoTokenizer
+
+    from symbiont.decoding import _decodes_by_bytes
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert _decodes_by_bytes(tokenizer), "the default tokenizer decodes byte-level"
+    text = "héllo wörld — 漢字 and emoji 🙂🙃, then ascii again. " * 3
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    generator = torch.Generator().manual_seed(0)
+    random_ids = torch.randint(0, len(tokenizer), (300,), generator=generator).tolist()
+    for sequence in (ids, random_ids, ids[:40] + random_ids[:40] + ids[40:]):
+        tracker = TextTracker(tokenizer, ())
+        for n in range(1, len(sequence) + 1):
+            tracker.update(sequence[:n])
+            whole = tokenizer.decode(sequence[:n], skip_special_tokens=True)
+            assert tracker.text == whole, f"differs after {n} tokens"
+        assert tracker._anchor_ids, "the anchor moved up"
+    tracker = TextTracker(tokenizer, ())  # an output that is not an extension resets it
+    tracker.update(ids[:30])
+    tracker.update(random_ids[:12])
+    assert tracker.text == tokenizer.decode(random_ids[:12], skip_special_tokens=True)
