@@ -273,3 +273,10 @@ def test_a_float64_base_keeps_a_float32_client_exact(checkpoints):
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         assert relative(got(ids).logits, want(ids).logits) < 1e-6
+
+
+def test_a_mixture_of_experts_base_is_refused(checkpoints):
+    path = checkpoints("granitemoe")
+    executor = BaseExecutor.from_pretrained(path)
+    with pytest.raises(ValueError, match="do not cover mixture-of-experts layers yet"):
+        symbiont.load_client(path, executor, mask_activations="pool")
