@@ -11,8 +11,8 @@ import torch
 import symbiont
 from symbiont.client.dora import dora_weight_norm
 from symbiont.client.virt import VirtLayer
-from symbiont.processes import ServerProcess
 from symbiont.protocol.executor import Executor, Op
+from tests.conftest import TRANSPORTS
 from tests.test_exactness import batch, grads, make_pair
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -58,10 +58,7 @@ def test_dora_trains_like_vanilla(arch, dropout, checkpoints, one_thread):
 
 def test_dora_trains_like_vanilla_over_serve_base(checkpoints):
     path = checkpoints("qwen3_bias")
-    with (
-        ServerProcess(path, args=("--threads", "1")) as server,
-        symbiont.connect(server.url("tcp"), checkpoint=path) as executor,
-    ):
+    with TRANSPORTS["tcp"](path) as executor:  # the session's serve-base for this checkpoint
         vanilla, split = assert_trains_like_vanilla(path, executor, dora(0.1))
         # Serving: eval-mode forward and greedy generation through the remote executor.
         vanilla.eval(), split.eval()

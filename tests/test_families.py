@@ -3,7 +3,7 @@ of them, forward and backward equal to vanilla transformers + peft within 1e-5 i
 
 Each family is a tiny random checkpoint written by transformers' own `save_pretrained`
 (tests/tiny_models.py), so its key renames on load are exercised. Every family runs in
-process and over a `serve-base` process (one per family, shared by this module). The
+process and over a `serve-base` process (one per family, shared by the test session). The
 bitwise method x transport matrix of tests/test_exactness.py covers many of these
 families with more methods; this file is the family list, with the families only it has
 (Qwen3 with and without attention bias, Falcon) and the refusal of an unsupported one.
@@ -19,8 +19,8 @@ import symbiont
 from symbiont.client.virt import VirtLayer
 from symbiont.model.checkpoint import Checkpoint
 from symbiont.model.layers import UnsupportedArchitecture
-from symbiont.processes import ServerProcess
 from symbiont.protocol.executor import Executor, Manifest
+from tests.conftest import TRANSPORTS
 from tests.test_exactness import batch, grads, lora, make_pair
 from tests.tiny_models import ALL_ARCHS, VOCAB
 
@@ -38,32 +38,19 @@ FAMILIES = (
     "falcon",  # FalconLinear, fused query_key_value with bias
 )
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def serve_base(checkpoints):
-    """family -> tcp URL of a serve-base for its checkpoint, started on first use and
-    stopped when this module's tests are done."""
-    servers: dict[str, ServerProcess] = {}
-
-    def url(family: str) -> str:
-        if family not in servers:
-            servers[family] = ServerProcess(checkpoints(family), args=("--threads", "1")).start()
-        return servers[family].url("tcp")
-
-    yield url
-    for server in servers.values():
-        server.stop()
+# A serve-base per checkpoint, over TCP, started once per test session and shared with the
+# other suites (test_exactness starts most of these already), stopped at the session's end.
+serve_base = TRANSPORTS["tcp"]
 
 
 @pytest.mark.parametrize("transport", ["inprocess", "serve-base"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_trains_through_the_split(family, transport, checkpoints, serve_base):
+def test_family_trains_through_the_split(family, transport, checkpoints):
     path = checkpoints(family)
     if transport == "inprocess":
         executor = symbiont.BaseExecutor.from_pretrained(path)
     else:
-        executor = symbiont.connect(serve_base(family), checkpoint=path)
+        executor = serve_base(path)
     with executor:
         vanilla, split = make_pair(path, executor, lora(ALL_ARCHS[family], all_linear=True))
         adapted = [m for m in split.modules() if isinstance(m, VirtLayer)]

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 import symbiont
 from symbiont.adapters import AdapterError, read_adapter
 from symbiont.client.virt import BaseWeightUnavailable
-from symbiont.processes import ServerProcess
+from tests.conftest import TRANSPORTS
 from tests.test_exactness import batch, grads, make_pair
 
 ATTENTION = ["q_proj", "v_proj"]
@@ -108,16 +108,10 @@ def test_delora_reads_the_column_norms_of_w_like_vanilla(checkpoints):
         torch.testing.assert_close(state_s[name], state_v[name], **TOLERANCE, msg=name)
 
 
-@pytest.fixture(scope="module")
-def biased_server(checkpoints):
-    with ServerProcess(checkpoints("qwen3_bias"), args=("--threads", "1")) as server:
-        yield server
-
-
 @pytest.mark.parametrize("method", ["boft", "hra"])
-def test_method_trains_like_vanilla_over_serve_base(method, checkpoints, biased_server):
+def test_method_trains_like_vanilla_over_serve_base(method, checkpoints):
     path = checkpoints("qwen3_bias")
-    with symbiont.connect(biased_server.url("tcp"), checkpoint=path) as executor:
+    with TRANSPORTS["tcp"](path) as executor:  # the session's serve-base for this checkpoint
         assert_trains_like_vanilla(path, executor, METHODS[method]())
 
 
