@@ -35,8 +35,10 @@ from tests.tiny_models import build_checkpoint
 
 LOGITS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
-# Llama: no bias; Qwen2: bias on q/k/v; GPT-2: Conv1D layers, every one with a bias.
-ARCHS = ("llama", "qwen2", "gpt2")
+# Llama, Mistral: no bias; Qwen2: bias on q/k/v; GPT-2, GPT-BigCode: Conv1D / fused
+# projections with biases; OPT, GPT-NeoX: biases everywhere; Phi-3: fused qkv and
+# gate_up; Gemma 2: LM head tied to the embeddings (its noise effects read from them).
+ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "phi3", "gemma2")
 SERVE_ENGINE = EngineConfig(max_running=4, max_batched_tokens=32, block_size=4, num_blocks=64)
 
 
