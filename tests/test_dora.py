@@ -159,3 +159,11 @@ def _names(model):
         for name, module in model.named_modules()
         if isinstance(module, VirtLayer) and name.endswith(".base_layer")
     ]
+
+
+def test_finetune_flags_build_a_dora_config():
+    from symbiont.adapters import AdapterFlags, build_peft_config
+
+    config = build_peft_config(AdapterFlags(method="dora", r=4, target="q_proj,v_proj"))
+    assert isinstance(config, peft.LoraConfig) and config.use_dora and config.r == 4
+    assert not build_peft_config(AdapterFlags(method="lora", r=4)).use_dora

@@ -8,7 +8,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLED_WEIGHTS_FILE = "adapter_model.bin"  # refused, never unpickled
 
 # The methods `symbiont finetune --method` builds from flags.
-METHODS = ("lora", "ia3", "loha", "lokr", "vera", "adalora", "prefix", "prompt")
+METHODS = ("lora", "dora", "ia3", "loha", "lokr", "vera", "adalora", "prefix", "prompt")
 
 # Config settings whose method reads or rewrites the frozen base weight, which a split
 # client never holds: (config field, predicate on its value, the feature to name).

@@ -21,12 +21,13 @@ def _build(spec: AdapterFlags, total_steps: int) -> peft.PeftConfig:
     common = dict(task_type="CAUSAL_LM")
     alpha = spec.alpha if spec.alpha is not None else 2 * spec.r
     match spec.method:
-        case "lora":
+        case "lora" | "dora":  # DoRA: its row norms come from the executor (client/dora.py)
             return peft.LoraConfig(
                 r=spec.r,
                 lora_alpha=alpha,
                 lora_dropout=spec.dropout,
                 target_modules=targets,
+                use_dora=spec.method == "dora",
                 **common,
             )
         case "adalora":
