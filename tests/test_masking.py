@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -124,13 +125,15 @@ def qwen2_with_tokenizer(model_dir, tmp_path_factory):
 def two_bases(qwen2_with_tokenizer):
     """Two serve-base processes (two parties) on the biased Qwen2 checkpoint."""
     path = qwen2_with_tokenizer
-    servers = [
-        ServerProcess(path, bind=("tcp://127.0.0.1:*",), args=("--threads", "1")).start()
-        for _ in range(2)
-    ]
+
+    def start(_):
+        return ServerProcess(path, bind=("tcp://127.0.0.1:*",), args=("--threads", "1")).start()
+
+    with ThreadPoolExecutor(2) as both:  # start and stop the two at once
+        servers = list(both.map(start, range(2)))
     yield path, [server.url("tcp") for server in servers]
-    for server in servers:
-        server.stop()
+    with ThreadPoolExecutor(2) as both:
+        list(both.map(ServerProcess.stop, servers))
 
 
 def test_both_modes_match_unmasked_over_serve_base(two_bases):
