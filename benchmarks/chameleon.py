@@ -219,8 +219,14 @@ def engine_request(requests, request_id: str):
 
 
 def sustained(runs: list[Run], slo: float) -> float:
-    """The largest offered load whose P99 TTFT is within the SLO (0 if none)."""
-    return max((r.load for r in runs if r.pct(99) <= slo), default=0.0)
+    """The largest offered load up to which every load tried keeps P99 TTFT within the
+    SLO (0 if the lightest already misses it)."""
+    held = 0.0
+    for r in sorted(runs, key=lambda r: r.load):
+        if r.pct(99) > slo:
+            break
+        held = r.load
+    return held
 
 
 def plot(runs: dict[str, list[Run]], slo: float, capacity: float, path: Path) -> None:
