@@ -136,8 +136,8 @@ _WEIGHT_READER_ADVICE = {
     ),
 }
 _PEFT_ADVICE = (
-    "Use a PEFT method that only adds to the base layer's output or scales its "
-    "input/output (LoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, prefix/prompt tuning); "
+    "Use a PEFT method that runs split (LoRA, DoRA, AdaLoRA, IA3, LoHa, LoKr, VeRA, OFT, "
+    "BOFT, HRA, prefix/prompt tuning, ...); "
     "see docs/compatibility.md"
 )
 _SHARED_BASE_ADVICE = (
