@@ -99,6 +99,12 @@ def test_serve_base_flags_in_their_units():
     assert process.model == "m" and process.device == "cpu"
 
 
+@pytest.mark.parametrize("name", ["--max-loras", "--max-adapters"])
+def test_a_renamed_flag_keeps_its_earlier_name(name):
+    args = build_parser("serve").parse_args(["serve", "--model", "m", name, "7"])
+    assert args.max_adapters == 7
+
+
 def test_bad_core_list_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit) as done:
         main(["serve-base", "--model", "m", "--cpus", "0-100000"])

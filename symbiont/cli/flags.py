@@ -29,6 +29,7 @@ Rules, all derived from the field:
 - the default is the field's, shown in `--help` as "(default: ...)" in the flag's unit.
 - `scale=`: the flag's unit times `scale` is the field's unit (`--max-wait-ms` for
   `max_wait_s`: scale=1e-3); `env=`: a variable read when the flag is absent.
+- metadata "aliases": earlier names of a renamed flag, still accepted.
 - classes whose source we do not own take the same metadata through
   `add_flags(..., meta={"field": flag("help")})`; their defaults still come from the class.
 
@@ -160,6 +161,7 @@ def _default(field: dataclasses.Field):
 
 def _add(parser, field, hint, spec: dict, required: bool, default) -> argparse.Action:
     name = spec.get("flag") or "--" + field.name.replace("_", "-")
+    names = [name, *spec.get("aliases", ())]  # earlier names of a renamed flag keep working
     required = required or default is dataclasses.MISSING
     kind = _unwrap_optional(hint)
     kwargs: dict[str, Any] = {"dest": field.name, "help": spec["help"]}
@@ -169,7 +171,7 @@ def _add(parser, field, hint, spec: dict, required: bool, default) -> argparse.A
         del kwargs["metavar"]
         kwargs["action"] = "store_false" if default is True else "store_true"
         kwargs["default"] = bool(default)
-        return parser.add_argument(name, **kwargs)
+        return parser.add_argument(*names, **kwargs)
     if typing.get_origin(kind) is tuple:
         kwargs.update(action="append", default=None, type=_parser_type(str, spec))
         shown = ", ".join(map(str, default)) if default else None
@@ -188,7 +190,7 @@ def _add(parser, field, hint, spec: dict, required: bool, default) -> argparse.A
     if shown is not None:
         kwargs["help"] += f" (default: {shown})"
     kwargs["required"] = required
-    return parser.add_argument(name, **kwargs)
+    return parser.add_argument(*names, **kwargs)
 
 
 def _is_enum(kind) -> bool:

@@ -50,6 +50,7 @@ class EngineConfig:
             "help": "adapters resident in the batched weight stacks at once (no adapter is "
             "extra); --adapter-dir adapters beyond it wait in host memory or on disk",
             "flag": "--max-loras",
+            "aliases": ("--max-adapters",),
         },
     )
     max_lora_rank: int = field(
