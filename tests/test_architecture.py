@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 ALLOWED["cli"] |= {"delta"}  # `symbiont delta` (issue 16)
+ALLOWED["serve"] |= {"delta"}  # `symbiont serve --delta` (issue 16)
 
 
 def part_of(path: Path) -> str:

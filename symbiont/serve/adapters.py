@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "AdapterWeights",
     "Ia3Weights",
     "LoraWeights",
+    "RowDelta",
     "adapter_batch",
 ]
 
@@ -62,12 +64,20 @@ class Ia3Weights:
 
 
 @dataclass(frozen=True)
+class RowDelta:
+    """A term added to the rows of one slot's tokens: a compressed full fine-tune's layer
+    delta (`symbiont.serve.deltas`)."""
+
+    product: Callable[[torch.Tensor], torch.Tensor]  # x [n, in] -> [n, out]
+
+
+@dataclass(frozen=True)
 class AdapterWeights:
     """A parsed, validated PEFT adapter, not yet placed in a slot."""
 
     path: str
-    method: str  # "lora" | "ia3"
-    modules: dict[str, LoraWeights | Ia3Weights]  # base-layer module name -> weights
+    method: str  # "lora" | "ia3" | "delta"
+    modules: dict[str, LoraWeights | Ia3Weights | RowDelta]  # base-layer module name -> weights
 
     @property
     def rank(self) -> int:
@@ -85,6 +95,7 @@ class AdapterLayer(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
         self.ia3_out: torch.Tensor | None = None  # [slots, out]
+        self.deltas: dict[int, RowDelta] = {}  # slot -> full fine-tune delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()
@@ -105,6 +116,10 @@ class AdapterLayer(nn.Module):
             for bucket in batch.lora:  # at most log2(max_lora_rank) + 1 rank buckets
                 # index_put_ (tokens are distinct): CPU index_add is far slower
                 y.index_put_((bucket.tokens,), self._lora_delta(flat, bucket), accumulate=True)
+        for slot, delta in self.deltas.items():  # x Δ̃ᵀ for the rows of each delta's tokens
+            rows = (batch.token_slots == slot).nonzero().flatten()
+            if rows.numel():
+                y.index_put_((rows,), delta.product(flat[rows]), accumulate=True)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _lora_delta(self, flat: torch.Tensor, bucket: LoraBucket) -> torch.Tensor:
@@ -132,8 +147,11 @@ class AdapterLayer(nn.Module):
             setattr(self, name, torch.ones(self.num_slots, width, **like))
         return getattr(self, name)
 
-    def put(self, slot: int, weights: LoraWeights | Ia3Weights | None, max_rank: int) -> None:
+    def put(
+        self, slot: int, weights: LoraWeights | Ia3Weights | RowDelta | None, max_rank: int
+    ) -> None:
         """Write one slot (None clears it back to "no adapter")."""
+        self.deltas.pop(slot, None)
         if self.lora_a is not None:
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()
@@ -147,6 +165,8 @@ class AdapterLayer(nn.Module):
             self.lora_b[slot, :r].copy_(weights.b.t() * weights.scale)
         elif isinstance(weights, Ia3Weights):
             self.ensure_ia3(weights.feedforward)[slot].copy_(weights.vector)
+        elif isinstance(weights, RowDelta):
+            self.deltas[slot] = weights
 
     def _dtype(self) -> torch.dtype:
         return self.base.weight.dtype
@@ -326,6 +346,10 @@ class AdapterRegistry:
         return self._layers[module_name]
 
     # -- introspection ----------------------------------------------------------------
+
+    def servable(self, module_name: str) -> bool:
+        """Whether `module_name` is a base layer adapters (and deltas) are applied in."""
+        return module_name in self._base
 
     def names(self) -> list[str]:
         """Adapters loaded by name (`--adapter`, POST /v1/adapters), not the cache's."""

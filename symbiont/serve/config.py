@@ -147,6 +147,17 @@ def parse_adapter(value: str) -> tuple[str, str]:
 parse_adapter.__name__ = "NAME=PATH"
 
 
+def parse_delta(value: str) -> tuple[str, str]:
+    """'NAME=DIR' -> (NAME, DIR), the form of `--delta`."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--delta {value!r}: expected NAME=DIR, e.g. chat=runs/chat-delta")
+    return name, path
+
+
+parse_delta.__name__ = "NAME=DIR"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible server of `symbiont serve` around one engine.
@@ -165,6 +176,16 @@ class ServerConfig:
             "flag": "--adapter",
             "metavar": "NAME=PATH",
             "type": parse_adapter,
+        },
+    )
+    deltas: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata={
+            "help": "compressed full fine-tune (`symbiont delta compress` folder) to serve "
+            "under NAME, per request beside the adapters (repeatable; docs/deltas.md)",
+            "flag": "--delta",
+            "metavar": "NAME=DIR",
+            "type": parse_delta,
         },
     )
     executor: str | None = field(
@@ -246,9 +267,9 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        names = [name for name, _ in self.adapters]
+        names = [name for name, _ in self.adapters + self.deltas]
         if len(set(names)) != len(names):
-            raise ValueError(f"adapter names must be unique, got {names}")
+            raise ValueError(f"adapter and delta names must be unique, got {names}")
         if self.model_name in names:
             raise ValueError(
                 f"an adapter may not be named like the base model ({self.model_name!r})"

@@ -83,6 +83,7 @@ class StepContext:
     slot_mapping: torch.Tensor  # [n_tokens] KV-cache slot where each new token's K/V go
     attn_groups: tuple[AttnGroup, ...]
     adapters: AdapterBatch
+    keep_rows: torch.Tensor | None = None  # [n_keep] flat rows the output layer sees
 
 
 _local = threading.local()

@@ -41,7 +41,7 @@ from symbiont.decoding import (
     token_logprobs,
 )
 from symbiont.serve.adapter_cache import AdapterCache
-from symbiont.serve.adapters import AdapterRegistry, AdapterWeights
+from symbiont.serve.adapters import AdapterError, AdapterRegistry, AdapterWeights
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.model_runner import ModelRunner, StepLogits
@@ -83,6 +83,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stalled = False  # the last step found nothing to run (adapters loading)
         self.cache: AdapterCache | None = None
+        self.deltas = None  # DeltaServer, once a delta is loaded
         self._failures_seen = 0  # cache.failures already turned into failed requests
 
     @classmethod
@@ -142,7 +143,18 @@ class Engine:
         self.adapters.add(name, weights)
         return weights
 
+    def load_delta(self, name: str, path: str | os.PathLike, base: str | os.PathLike) -> int:
+        """Serve the compressed full fine-tune at `path` (made against the checkpoint
+        `base`) under `name`, per row beside the adapters; returns its slot."""
+        if self.deltas is None:
+            from symbiont.serve.deltas import DeltaServer
+
+            self.deltas = DeltaServer(self.model, self.adapters)
+        return self.deltas.load(name, path, base)
+
     def unload_adapter(self, name: str) -> None:
+        if self.deltas is not None and name in self.deltas.loaded:
+            raise AdapterError(f"{name!r} is a delta given with --delta; it stays loaded")
         self.adapters.remove(name)
 
     # -- requests ---------------------------------------------------------------------

@@ -84,15 +84,16 @@ class ModelRunner:
         prefill = [item for item in scheduled if item.n_tokens > 1]
         offsets = _offsets(scheduled)
         groups = tuple(self._attn_group(g, offsets) for g in (decode, prefill) if g)
+        keep = self._tensor(sample_rows + prompt_rows)
         ctx = StepContext(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             attn_groups=groups,
             adapters=adapter_batch(self._tensor(token_slots), self.adapters),
+            keep_rows=keep,
         )
         n = len(sample_rows)
         spans = tuple((item, n + a, n + b) for item, a, b in spans)
-        keep = self._tensor(sample_rows + prompt_rows)
         return Batch(self._tensor(ids), self._tensor(positions), keep, n, spans, ctx)
 
     def _attn_group(self, items: list[ScheduledSeq], offsets: dict[int, int]) -> AttnGroup:

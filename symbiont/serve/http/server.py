@@ -53,6 +53,9 @@ def load_engine(
     for name, path in config.adapters:
         engine.load_adapter(name, path)
         log.info("adapter %s loaded from %s", name, path)
+    for name, path in config.deltas:
+        engine.load_delta(name, path, config.model)
+        log.info("delta %s loaded from %s", name, path)
     if config.adapter_dir is not None:
         cache = engine.attach_adapter_dir(config.adapter_dir)
         log.info("serving %d adapter folders of %s on demand", len(cache.names()), cache.root)

@@ -1,0 +1,112 @@
+"""`symbiont serve --delta`: compressed full fine-tunes served per row in shared batches.
+
+References: `symbiont delta merge` + vanilla transformers for a delta, vanilla peft for an
+adapter, vanilla transformers for the base; greedy tokens equal, logits within 1e-4 fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiont import BaseExecutor, load_client
+from symbiont.delta import CompressConfig, merge_checkpoint
+from symbiont.delta.compress import compress
+from symbiont.serve import Engine, Request, SamplingParams
+from symbiont.serve.adapters import AdapterError
+from tests.test_delta import perturbed_copy
+from tests.test_serve_common import Reference, make_adapters, prompts
+from tests.test_serve_engine import GREEDY, SMALL, WIDE
+from tests.tiny_models import VOCAB
+
+LOGITS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, tmp_path_factory):
+    """(base, delta folder, adapters, reference for the base and adapters, reference for
+    the merged delta)."""
+    root = tmp_path_factory.mktemp("delta_serve")
+    base = checkpoints("llama")
+    finetuned = perturbed_copy(base, root / "ft", seed=3)
+    calibration = torch.randint(0, VOCAB, (16, 24), generator=torch.Generator().manual_seed(4))
+    compress(base, finetuned, root / "delta", calibration, CompressConfig(group_size=16))
+    merged = merge_checkpoint(base, root / "delta", root / "merged")
+    adapters = make_adapters(base, root / "adapters")
+    return base, root / "delta", adapters, Reference(base, adapters), Reference(merged, {})
+
+
+def engine_with(base, delta_dir, adapters=None, config=SMALL) -> Engine:
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    engine.load_delta("ft", delta_dir, base)
+    for name, path in (adapters or {}).items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def want(served, prompt, name, max_tokens):
+    _, _, _, reference, merged = served
+    if name == "ft":
+        return merged.generate(prompt, None, max_tokens)
+    return reference.generate(prompt, name, max_tokens)
+
+
+def test_delta_greedy_output_equals_merged_checkpoint(served):
+    base, delta_dir, _, _, merged = served
+    engine = engine_with(base, delta_dir)
+    batch = prompts(3, seed=1)
+    outputs = engine.generate(batch, ["ft"] * 3, GREEDY)
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == merged.generate(prompt, None, GREEDY.max_tokens)
+    assert "ft" in engine.adapters.names(), "listed like an adapter (GET /v1/models)"
+
+
+def test_mixed_batch_of_delta_adapters_and_base(served):
+    base, delta_dir, adapters, _, _ = served
+    engine = engine_with(base, delta_dir, adapters)
+    names = [None, "ft", *adapters, "ft", None]
+    batch = prompts(len(names), seed=7)
+    outputs = engine.generate(batch, names, GREEDY)
+    for prompt, name, got in zip(batch, names, outputs, strict=True):
+        assert got == want(served, prompt, name, GREEDY.max_tokens), f"{name} differs"
+    assert engine.kv_cache.allocator.num_free == SMALL.num_blocks, "KV blocks leaked"
+
+
+def test_logits_within_tolerance_in_a_mixed_batch(served, monkeypatch):
+    base, delta_dir, adapters, reference, merged = served
+    engine = engine_with(base, delta_dir, adapters, config=WIDE)
+    captured = []
+    forward = engine.runner.forward
+    monkeypatch.setattr(
+        engine.runner, "forward", lambda b: captured.append(forward(b)) or captured[-1]
+    )
+    names = ["ft", None, next(iter(adapters)), "ft"]
+    batch = prompts(len(names), seed=9)
+    for i, (p, name) in enumerate(zip(batch, names, strict=True)):
+        engine.add_request(Request(f"q{i}", p, name, SamplingParams(max_tokens=1, temperature=0)))
+    engine.step()  # one row of logits per request, in arrival order
+    for i, (p, name) in enumerate(zip(batch, names, strict=True)):
+        ref = merged.logits(p, None) if name == "ft" else reference.logits(p, name)
+        got = captured[0][i]
+        assert torch.allclose(got, ref[-1], atol=LOGITS_ATOL), (
+            f"request {i} ({name}): max |diff| {float((got - ref[-1]).abs().max()):.2e}"
+        )
+
+
+def test_bad_deltas_refused_with_reason(served, checkpoints, tmp_path):
+    base, delta_dir, _, _, _ = served
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), SMALL)
+    with pytest.raises(AdapterError, match="another model"):
+        engine.load_delta("other", delta_dir, checkpoints("qwen2"))
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for file in delta_dir.iterdir():
+        (tampered / file.name).write_bytes(file.read_bytes())
+    data = tampered / "delta.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(AdapterError, match="delta 'bad'.*sha256"):
+        engine.load_delta("bad", tampered, base)
+    assert engine.adapters.names() == [], "nothing loaded half-way"
+    assert engine.generate([[5, 6, 7]], [None], GREEDY), "the engine keeps serving"
