@@ -6,16 +6,23 @@ adapter, vanilla transformers for the base; greedy tokens equal, logits within 1
 
 from __future__ import annotations
 
+import shutil
+
+import httpx
+import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from symbiont import BaseExecutor, load_client
-from symbiont.delta import CompressConfig, merge_checkpoint
+from symbiont.delta import CompressConfig, load_delta, merge_checkpoint
 from symbiont.delta.compress import compress
-from symbiont.serve import Engine, Request, SamplingParams
+from symbiont.serve import Engine, EngineConfig, Request, SamplingParams
 from symbiont.serve.adapters import AdapterError
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.server import BackgroundServer
 from tests.test_delta import perturbed_copy
-from tests.test_serve_common import Reference, make_adapters, prompts
+from tests.test_serve_common import Reference, add_char_tokenizer, make_adapters, prompts
 from tests.test_serve_engine import GREEDY, SMALL, WIDE
 from tests.tiny_models import VOCAB
 
@@ -27,7 +34,7 @@ def served(checkpoints, tmp_path_factory):
     """(base, delta folder, adapters, reference for the base and adapters, reference for
     the merged delta)."""
     root = tmp_path_factory.mktemp("delta_serve")
-    base = checkpoints("llama")
+    base = add_char_tokenizer(shutil.copytree(checkpoints("llama"), root / "tiny-llama"))
     finetuned = perturbed_copy(base, root / "ft", seed=3)
     calibration = torch.randint(0, VOCAB, (16, 24), generator=torch.Generator().manual_seed(4))
     compress(base, finetuned, root / "delta", calibration, CompressConfig(group_size=16))
@@ -58,6 +65,8 @@ def test_delta_greedy_output_equals_merged_checkpoint(served):
     outputs = engine.generate(batch, ["ft"] * 3, GREEDY)
     for prompt, got in zip(batch, outputs, strict=True):
         assert got == merged.generate(prompt, None, GREEDY.max_tokens)
+    base_outputs = engine.generate(batch, [None] * 3, GREEDY)
+    assert base_outputs != outputs, "the delta changes the output (else this proves nothing)"
     assert "ft" in engine.adapters.names(), "listed like an adapter (GET /v1/models)"
 
 
@@ -110,3 +119,63 @@ def test_bad_deltas_refused_with_reason(served, checkpoints, tmp_path):
         engine.load_delta("bad", tampered, base)
     assert engine.adapters.names() == [], "nothing loaded half-way"
     assert engine.generate([[5, 6, 7]], [None], GREEDY), "the engine keeps serving"
+
+
+def compressed_pair(base, root):
+    finetuned = perturbed_copy(base, root / "ft", seed=5)
+    calibration = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(6))
+    compress(base, finetuned, root / "delta", calibration, CompressConfig(group_size=16))
+    return root / "delta"
+
+
+def test_bias_deltas_are_served_exactly(checkpoints, tmp_path):
+    """qwen2 has q/k/v biases: their deltas are added to the delta's rows."""
+    base = checkpoints("qwen2")
+    delta_dir = compressed_pair(base, tmp_path)
+    assert any(name.endswith("q_proj.bias") for name in load_delta(delta_dir).params)
+    merged = Reference(merge_checkpoint(base, delta_dir, tmp_path / "merged"), {})
+    engine = engine_with(base, delta_dir)
+    batch = prompts(3, seed=2)
+    outputs = engine.generate(batch, ["ft", None, "ft"], GREEDY)
+    plain = Reference(base, {})
+    for prompt, name, got in zip(batch, ["ft", None, "ft"], outputs, strict=True):
+        ref = merged if name else plain
+        assert got == ref.generate(prompt, None, GREEDY.max_tokens), f"{name} differs"
+
+
+def test_delta_changing_tied_embeddings_is_refused(checkpoints, tmp_path):
+    base = checkpoints("gemma2")
+    delta_dir = compressed_pair(base, tmp_path)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), SMALL)
+    with pytest.raises(AdapterError, match="ties to its output layer.*symbiont delta merge"):
+        engine.load_delta("ft", delta_dir, base)
+    assert engine.adapters.names() == []
+
+
+def test_openai_client_over_http(served):
+    base, delta_dir, adapters, reference, merged = served
+    config = ServerConfig(
+        model=str(base),
+        adapters=(("lora4", str(adapters["lora4"])),),
+        deltas=(("ft", str(delta_dir)),),
+        port=0,
+        engine=EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer("The cat").input_ids
+    with BackgroundServer(config) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny-llama", "lora4", "ft"}
+        assert models["ft"].model_extra["parent"] == "tiny-llama"
+        for model, ref, adapter in [
+            ("ft", merged, None),
+            ("lora4", reference, "lora4"),
+            ("tiny-llama", reference, None),
+        ]:
+            out = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+            assert out.choices[0].text == tokenizer.decode(
+                ref.generate(ids, adapter, 8), skip_special_tokens=True
+            ), model
+        refused = httpx.delete(f"{server.url}/v1/adapters/ft")
+        assert refused.status_code == 400 and "stays loaded" in refused.text
