@@ -358,7 +358,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
-    ax.set_ylabel("symbiont / vLLM-CPU (throughput: >1 better; latency: <1 better)")
+    ax.set_ylabel("symbiont / vLLM-CPU")
+    ax.set_title("throughput: above 1 favours symbiont; TTFT, ITL: below 1", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -453,7 +454,7 @@ def main(argv=None) -> int:
         default="small",
         help="checkpoint folder; 'default' (the embedded default model: head_dim 16, which "
         "vLLM's CPU attention rejects) or 'small' (a head_dim-64 Llama on the default "
-        "tokenizer, 3.6M parameters, built into --out)",
+        "tokenizer, 4.0M parameters, built into --out)",
     )
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peer's own venv")
     p.add_argument("--install-timeout", type=float, default=1800, help="seconds for pip")
