@@ -479,7 +479,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=32)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per server (1 is steadiest on shared CPUs)",
+    )
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results", help="table, JSON, plot, logs")
