@@ -198,8 +198,8 @@ def server_env(threads: int, peer: bool) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_server(name: str, argv: list[str], env: dict, port: int, log: Path, ready_s: float):
-    """Start a server, wait until /v1/models answers, yield its URL, stop it (SIGTERM, then
-    SIGKILL after 20 s)."""
+    """Start a server, wait until /health answers 200 (symbiont: model and adapters
+    loaded), yield its URL, stop it (SIGTERM, then SIGKILL after 20 s)."""
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -212,7 +212,7 @@ def running_server(name: str, argv: list[str], env: dict, port: int, log: Path, 
                     + _log_tail(log)
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not ready after {ready_s:.0f} s (log {log})")
