@@ -122,11 +122,22 @@ def upload(api: openai.OpenAI, content: bytes, name: str = "train.jsonl"):
 
 
 def create(api, training_file, **kw):
+    """A job; while a freshly started server's jobs worker is still starting (503 `loading`,
+    with Retry-After), asks again, as a client honouring Retry-After does."""
     kw.setdefault("hyperparameters", {"n_epochs": 1, "batch_size": 2})
     extra = {"peft": kw.pop("peft", LORA), **kw.pop("extra", {})}
-    return api.fine_tuning.jobs.create(
-        model=BASE, training_file=training_file, extra_body=extra, **kw
-    )
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return api.fine_tuning.jobs.create(
+                model=BASE, training_file=training_file, extra_body=extra, **kw
+            )
+        except openai.InternalServerError as err:
+            starting = err.status_code == 503 and err.code == "loading"
+            if not starting or time.monotonic() > deadline:
+                raise
+            assert err.response.headers["retry-after"] == "1"
+            time.sleep(0.2)
 
 
 def greedy(api, model: str, prompt: str, n: int = 6) -> str:

@@ -34,7 +34,7 @@ class JobsError(ValueError):
     ):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
-        self.retry_after = retry_after  # seconds, for 429
+        self.retry_after = retry_after  # seconds, for 429 and a 503 while starting
 
 
 def invalid(message: str, param: str | None) -> JobsError:

@@ -217,7 +217,9 @@ class JobsService:
         if self.unavailable is not None:
             raise JobsError(503, self.unavailable, "model", "jobs_unavailable")
         if self.site is None:
-            raise JobsError(503, "the jobs worker is starting; retry shortly", None, "loading")
+            raise JobsError(
+                503, "the jobs worker is starting; retry shortly", None, "loading", retry_after=1
+            )
         return self.site
 
     def owner(self, model: str) -> str | None:
