@@ -43,9 +43,11 @@ def served(checkpoints, tmp_path_factory):
     return base, root / "delta", adapters, Reference(base, adapters), Reference(merged, {})
 
 
-def engine_with(base, delta_dir, adapters=None, config=SMALL) -> Engine:
+def engine_with(base, delta_dir, adapters=None, config=SMALL, hot=False) -> Engine:
     engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
     engine.load_delta("ft", delta_dir, base)
+    if hot:  # the same delta once more, applied merged (dense Δ̃ kept)
+        engine.load_delta("hot", delta_dir, mode="merged")
     for name, path in (adapters or {}).items():
         engine.load_adapter(name, path)
     return engine
@@ -53,7 +55,7 @@ def engine_with(base, delta_dir, adapters=None, config=SMALL) -> Engine:
 
 def want(served, prompt, name, max_tokens):
     _, _, _, reference, merged = served
-    if name == "ft":
+    if name in ("ft", "hot"):
         return merged.generate(prompt, None, max_tokens)
     return reference.generate(prompt, name, max_tokens)
 
@@ -81,21 +83,48 @@ def test_mixed_batch_of_delta_adapters_and_base(served):
     assert engine.kv_cache.allocator.num_free == SMALL.num_blocks, "KV blocks leaked"
 
 
-def test_logits_within_tolerance_in_a_mixed_batch(served, monkeypatch):
+def test_merged_mode_shares_a_batch_with_exact_mode(served):
+    base, delta_dir, adapters, _, _ = served
+    engine = engine_with(base, delta_dir, adapters, hot=True)
+    names = ["hot", None, "ft", next(iter(adapters)), "hot"]
+    batch = prompts(len(names), seed=11)
+    outputs = engine.generate(batch, names, GREEDY)
+    for prompt, name, got in zip(batch, names, outputs, strict=True):
+        assert got == want(served, prompt, name, GREEDY.max_tokens), f"{name} differs"
+    weights = engine.deltas.by_slot
+    modes = {w.mode for w in weights.values()}
+    assert modes == {"exact", "merged"} and len(weights) == 2
+    exact, merged = sorted(weights.values(), key=lambda w: w.mode)
+    assert merged.nbytes > 4 * exact.nbytes, "merged keeps dense Δ̃, exact the packed bytes"
+
+
+def test_parse_delta_mode_suffix():
+    from symbiont.serve.config import parse_delta
+
+    assert parse_delta("a=runs/d") == ("a", "runs/d")
+    assert parse_delta("a=runs/d:merged") == ("a", "runs/d", "merged")
+    assert parse_delta("a=c:/x:exact") == ("a", "c:/x", "exact")
+    assert parse_delta("a=runs/d:other") == ("a", "runs/d:other"), "not a mode: part of DIR"
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        parse_delta("runs/d")
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["exact", "merged"])
+def test_logits_within_tolerance_in_a_mixed_batch(served, monkeypatch, hot):
     base, delta_dir, adapters, reference, merged = served
-    engine = engine_with(base, delta_dir, adapters, config=WIDE)
+    engine = engine_with(base, delta_dir, adapters, config=WIDE, hot=hot)
     captured = []
     forward = engine.runner.forward
     monkeypatch.setattr(
         engine.runner, "forward", lambda b: captured.append(forward(b)) or captured[-1]
     )
-    names = ["ft", None, next(iter(adapters)), "ft"]
+    names = ["hot" if hot else "ft", None, next(iter(adapters)), "ft"]
     batch = prompts(len(names), seed=9)
     for i, (p, name) in enumerate(zip(batch, names, strict=True)):
         engine.add_request(Request(f"q{i}", p, name, SamplingParams(max_tokens=1, temperature=0)))
     engine.step()  # one row of logits per request, in arrival order
     for i, (p, name) in enumerate(zip(batch, names, strict=True)):
-        ref = merged.logits(p, None) if name == "ft" else reference.logits(p, name)
+        ref = merged.logits(p, None) if name in ("ft", "hot") else reference.logits(p, name)
         got = captured[0][i]
         assert torch.allclose(got, ref[-1], atol=LOGITS_ATOL), (
             f"request {i} ({name}): max |diff| {float((got - ref[-1]).abs().max()):.2e}"
@@ -157,7 +186,7 @@ def test_openai_client_over_http(served):
     config = ServerConfig(
         model=str(base),
         adapters=(("lora4", str(adapters["lora4"])),),
-        deltas=(("ft", str(delta_dir)),),
+        deltas=(("ft", str(delta_dir)), ("hot", str(delta_dir), "merged")),
         port=0,
         engine=EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256),
     )
@@ -166,10 +195,11 @@ def test_openai_client_over_http(served):
     with BackgroundServer(config) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         models = {m.id: m for m in client.models.list().data}
-        assert set(models) == {"tiny-llama", "lora4", "ft"}
+        assert set(models) == {"tiny-llama", "lora4", "ft", "hot"}
         assert models["ft"].model_extra["parent"] == "tiny-llama"
         for model, ref, adapter in [
             ("ft", merged, None),
+            ("hot", merged, None),
             ("lora4", reference, "lora4"),
             ("tiny-llama", reference, None),
         ]:

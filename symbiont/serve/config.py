@@ -18,6 +18,13 @@ class CachePolicy(StrEnum):
     LRU = "lru"  # least recently used
 
 
+class DeltaMode(StrEnum):
+    """How a compressed delta is applied (`symbiont.serve.deltas`)."""
+
+    EXACT = "exact"  # the packed 2:4 low-bit delta, decompressed at every call
+    MERGED = "merged"  # "hot": Δ̃ decompressed once, dense; one matmul per call
+
+
 class SchedulerPolicy(StrEnum):
     """Order in which waiting requests are admitted (`symbiont.serve.mlq`)."""
 
@@ -55,6 +62,17 @@ class EngineConfig:
     )
     max_lora_rank: int = field(
         default=64, metadata={"help": "largest LoRA rank served (lower ranks are zero-padded)"}
+    )
+    slo_tpot_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "time-per-output-token target of co-serving (FlexLLM, docs/jobs.md): "
+            "after each iteration, fine-tuning jobs of --jobs-dir run the most tokens a "
+            "profiled cost model fits within it (default: jobs train beside inference, "
+            "inference first per base call)",
+            "flag": "--slo-tpot-ms",
+            "scale": 1e-3,
+        },
     )
     max_model_len: int | None = field(
         default=None,
@@ -94,6 +112,30 @@ class EngineConfig:
         metadata={"help": "seconds between recomputing the mlq queues from recent requests"},
     )
 
+    max_deltas: int | None = field(
+        default=None,
+        metadata={
+            "help": "compressed deltas resident in slots at once (DeltaZip's N; each takes "
+            "one of the --max-loras slots); requests for others wait until one is idle "
+            "(default: no limit beyond --max-loras)"
+        },
+    )
+    delta_mode: DeltaMode = field(
+        default=DeltaMode.EXACT,
+        metadata={
+            "help": "how --adapter-dir deltas (and --delta ones without :MODE) are applied: "
+            "exact (packed, decompressed per call) or merged (dense Δ̃ kept, one matmul)"
+        },
+    )
+    max_skips: int = field(
+        default=16,
+        metadata={
+            "help": "requests whose adapter or delta is resident that may start ahead of a "
+            "request waiting for a slot, per such request (DeltaZip's skip-the-line; then "
+            "the line closes until it has its slot; 0: strict arrival order)"
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in (
             "max_running",
@@ -115,10 +157,17 @@ class EngineConfig:
                 f"EngineConfig.mlq_slo_s and mlq_refresh_s must be > 0, got {self.mlq_slo_s} "
                 f"and {self.mlq_refresh_s}"
             )
+        if self.max_deltas is not None and self.max_deltas < 1:
+            raise ValueError(f"EngineConfig.max_deltas must be >= 1, got {self.max_deltas}")
+        if self.max_skips < 0:
+            raise ValueError(f"EngineConfig.max_skips must be >= 0, got {self.max_skips}")
+        object.__setattr__(self, "delta_mode", DeltaMode(self.delta_mode))
         object.__setattr__(self, "cache_policy", CachePolicy(self.cache_policy))
         object.__setattr__(self, "scheduler", SchedulerPolicy(self.scheduler))
         if self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
+        if self.slo_tpot_s is not None and self.slo_tpot_s <= 0:
+            raise ValueError(f"EngineConfig.slo_tpot_s must be > 0, got {self.slo_tpot_s}")
         if self.max_batched_tokens < self.max_running:
             raise ValueError(
                 f"EngineConfig.max_batched_tokens ({self.max_batched_tokens}) must be at least "
@@ -147,15 +196,21 @@ def parse_adapter(value: str) -> tuple[str, str]:
 parse_adapter.__name__ = "NAME=PATH"
 
 
-def parse_delta(value: str) -> tuple[str, str]:
-    """'NAME=DIR' -> (NAME, DIR), the form of `--delta`."""
+def parse_delta(value: str) -> tuple[str, str] | tuple[str, str, str]:
+    """'NAME=DIR' -> (NAME, DIR); 'NAME=DIR:MODE' -> (NAME, DIR, MODE), the form of
+    `--delta` (MODE: exact or merged)."""
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--delta {value!r}: expected NAME=DIR, e.g. chat=runs/chat-delta")
+        raise ValueError(
+            f"--delta {value!r}: expected NAME=DIR or NAME=DIR:merged, e.g. chat=runs/chat-delta"
+        )
+    folder, colon, mode = path.rpartition(":")
+    if colon and mode in tuple(DeltaMode):
+        return name, folder, mode
     return name, path
 
 
-parse_delta.__name__ = "NAME=DIR"
+parse_delta.__name__ = "NAME=DIR[:MODE]"
 
 
 @dataclass(frozen=True)
@@ -178,13 +233,14 @@ class ServerConfig:
             "type": parse_adapter,
         },
     )
-    deltas: tuple[tuple[str, str], ...] = field(
+    deltas: tuple[tuple[str, ...], ...] = field(
         default=(),
         metadata={
             "help": "compressed full fine-tune (`symbiont delta compress` folder) to serve "
-            "under NAME, per request beside the adapters (repeatable; docs/deltas.md)",
+            "under NAME, per request beside the adapters (repeatable; docs/deltas.md); "
+            "DIR:merged keeps its Δ̃ decompressed (hot), DIR:exact (default: --delta-mode)",
             "flag": "--delta",
-            "metavar": "NAME=DIR",
+            "metavar": "NAME=DIR[:MODE]",
             "type": parse_delta,
         },
     )
@@ -267,7 +323,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        names = [name for name, _ in self.adapters + self.deltas]
+        names = [entry[0] for entry in self.adapters + self.deltas]
         if len(set(names)) != len(names):
             raise ValueError(f"adapter and delta names must be unique, got {names}")
         if self.model_name in names:
@@ -290,6 +346,8 @@ class ServerConfig:
             load_tenants(self.tenants)  # a ValueError names the tenant and field to fix
         if self.api_key and self.tenants:
             raise ValueError("--tenants gives each tenant its key; leave out --api-key")
+        if self.engine.slo_tpot_s is not None and self.jobs_dir is None:
+            raise ValueError("--slo-tpot-ms paces fine-tuning jobs: pass --jobs-dir DIR too")
         authenticated = self.api_key or self.tenants
         if not authenticated and not self.allow_unauthenticated and not _loopback(self.host):
             raise ValueError(

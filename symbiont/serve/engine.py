@@ -85,6 +85,9 @@ class Engine:
         self.cache: AdapterCache | None = None
         self.deltas = None  # DeltaServer, once a delta is loaded
         self._failures_seen = 0  # cache.failures already turned into failed requests
+        # called after each iteration with (tokens run, seconds): co-serving hands a
+        # fine-tuning job its slot there (symbiont/jobs/coserve.py)
+        self.iteration_hook = None
 
     @classmethod
     def from_pretrained(
@@ -143,14 +146,20 @@ class Engine:
         self.adapters.add(name, weights)
         return weights
 
-    def load_delta(self, name: str, path: str | os.PathLike, base: str | os.PathLike) -> int:
+    def load_delta(
+        self,
+        name: str,
+        path: str | os.PathLike,
+        base: str | os.PathLike | None = None,
+        mode: str | None = None,
+    ) -> int:
         """Serve the compressed full fine-tune at `path` (made against the checkpoint
-        `base`) under `name`, per row beside the adapters; returns its slot."""
-        if self.deltas is None:
-            from symbiont.serve.deltas import DeltaServer
+        `base`, default the served one) under `name`, per row beside the adapters, applied
+        `mode` ("exact" or "merged", default `config.delta_mode`); returns its slot."""
+        from symbiont.serve.deltas import DeltaServer
 
-            self.deltas = DeltaServer(self.model, self.adapters)
-        return self.deltas.load(name, path, base)
+        self.deltas = DeltaServer.of(self.adapters)
+        return self.deltas.load(name, path, mode or self.config.delta_mode, base)
 
     def unload_adapter(self, name: str) -> None:
         if self.deltas is not None and name in self.deltas.loaded:
@@ -238,7 +247,12 @@ class Engine:
         self.stalled = not scheduled
         if not scheduled:
             return failed
-        return failed + self._run(scheduled)
+        started = time.perf_counter()
+        outputs = failed + self._run(scheduled)
+        if self.iteration_hook is not None:
+            tokens = sum(item.n_tokens for item in scheduled)
+            self.iteration_hook(tokens, time.perf_counter() - started)
+        return outputs
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """Fail the waiting requests whose folder adapter failed to load."""

@@ -53,8 +53,8 @@ def load_engine(
     for name, path in config.adapters:
         engine.load_adapter(name, path)
         log.info("adapter %s loaded from %s", name, path)
-    for name, path in config.deltas:
-        engine.load_delta(name, path, config.model)
+    for name, path, *mode in config.deltas:  # mode: exact or merged, if given
+        engine.load_delta(name, path, config.model, *mode)
         log.info("delta %s loaded from %s", name, path)
     if config.adapter_dir is not None:
         cache = engine.attach_adapter_dir(config.adapter_dir)
