@@ -169,7 +169,9 @@ def test_grouped_lora_equals_per_token_reference(popularity, n_tokens):
     slots, d_in, d_out, r_max = 9, 16, 24, 8
     base = torch.nn.Linear(d_in, d_out)
     layer = AdapterLayer(base, d_in, d_out, slots)
-    registry = SimpleNamespace(slot_bucket=[0] * slots, slot_is_ia3=[False] * slots)
+    registry = SimpleNamespace(
+        slot_bucket=[0] * slots, slot_is_ia3=[False] * slots, slot_is_dora=[False] * slots
+    )
     weights = {}
     for s in range(1, slots):  # ranks 1..8: five rank buckets
         weights[s] = LoraWeights(torch.randn(s, d_in), torch.randn(d_out, s), 0.5 * s)

@@ -110,7 +110,7 @@ class AdapterSpec:
         """Per adapted module, the rank its saved tensors have (LoRA, AdaLoRA, LoHa)."""
         found = {}
         for name, params in self.modules.items():
-            a = params.get("lora_A.weight") or params.get("hada_w1_b")
+            a = params.get("lora_A.weight") or params.get("lora_A") or params.get("hada_w1_b")
             if a is not None:
                 found[name] = a.shape[0]
         return found
@@ -351,6 +351,8 @@ def _implied_shape(params: Mapping[str, TensorInfo]) -> tuple[int | None, int | 
         "lora_A.weight" in shapes or "lora_B.weight" in shapes
     ):  # LoRA, AdaLoRA: A [r, in], B [out, r]
         return _dim_of(shapes, "lora_A.weight", 1), _dim_of(shapes, "lora_B.weight", 0)
+    if "lora_A" in shapes or "lora_B" in shapes:  # AdaLoRA: A [r, in], B [out, r]
+        return _dim_of(shapes, "lora_A", 1), _dim_of(shapes, "lora_B", 0)
     if "ia3_l" in shapes:  # [1, in] on feed-forward layers, else [out, 1]
         s = shapes["ia3_l"]
         return (s[1], None) if len(s) == 2 and s[0] == 1 and s[1] != 1 else (None, s[0])

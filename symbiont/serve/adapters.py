@@ -2,9 +2,11 @@
 
 Each targeted base layer is wrapped once in an `AdapterLayer` holding, for every slot,
 LoRA `A [slots, r_max, in]` and `B·scale [slots, r_max, out]` (mixed ranks zero-padded) and IA3 vectors `[slots, in]` (feed-forward layers scale their input) or
-`[slots, out]` (other layers scale their output). Slot 0 is "no adapter": zero LoRA
-and unit IA3. Per iteration the layer runs one base call for all tokens, one gather for
-IA3 and one grouped pair of `bmm`s for LoRA, whatever mix of adapters is in the batch.
+`[slots, out]` (other layers scale their output), and DoRA's output scales `[slots, out]`.
+Slot 0 is "no adapter": zero LoRA and unit IA3. Per iteration the layer runs one base
+call for all tokens, one gather for IA3 and DoRA and one grouped pair of `bmm`s for LoRA,
+whatever mix of adapters is in the batch. AdaLoRA, VeRA, LoHa and DoRA become LoRA slots
+and LoKr a per-slot `RowDelta` (`symbiont.serve.weight_methods`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.context import AdapterBatch, LoraBucket, current_context
 
-SERVED_METHODS = ("lora", "ia3")
+SERVED_METHODS = ("lora", "ia3", "adalora", "vera", "loha", "lokr", "dora")
 
 __all__ = [
     "AdapterError",
@@ -51,6 +53,8 @@ class LoraWeights:
     a: torch.Tensor  # [r, in], as PEFT stores lora_A.weight
     b: torch.Tensor  # [out, r], as PEFT stores lora_B.weight
     scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
+    # DoRA's g = m / ‖W + s·BA‖ per output channel [out]: scales B and the base result
+    out_scale: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -76,7 +80,7 @@ class AdapterWeights:
     """A parsed, validated PEFT adapter, not yet placed in a slot."""
 
     path: str
-    method: str  # "lora" | "ia3" | "delta"
+    method: str  # "lora" | "ia3" | "delta" | one of weight_methods.WEIGHT_METHODS
     modules: dict[str, LoraWeights | Ia3Weights | RowDelta]  # base-layer module name -> weights
 
     @property
@@ -95,6 +99,7 @@ class AdapterLayer(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
         self.ia3_out: torch.Tensor | None = None  # [slots, out]
+        self.dora_scale: torch.Tensor | None = None  # [slots, out], DoRA's g; 1 elsewhere
         self.deltas: dict[int, RowDelta] = {}  # slot -> full fine-tune delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +117,8 @@ class AdapterLayer(nn.Module):
         y = self.base(h)  # [n_tokens, out]: one base call for the whole batch
         if batch.has_ia3 and self.ia3_out is not None:
             y = y * self.ia3_out[batch.token_slots]
+        if batch.has_dora and self.dora_scale is not None:
+            y = self._dora_rescale(y, self.dora_scale[batch.token_slots])
         if batch.lora and self.lora_a is not None:
             for bucket in batch.lora:  # at most log2(max_lora_rank) + 1 rank buckets
                 # index_put_ (tokens are distinct): CPU index_add is far slower
@@ -121,6 +128,11 @@ class AdapterLayer(nn.Module):
             if rows.numel():
                 y.index_put_((rows,), delta.product(flat[rows]), accumulate=True)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dora_rescale(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """b + g ⊙ (W x): DoRA scales the base result but not its bias. y, g [n_tokens, out]"""
+        bias = getattr(self.base, "bias", None)
+        return y * g if bias is None else y * g + bias * (1 - g)
 
     def _lora_delta(self, flat: torch.Tensor, bucket: LoraBucket) -> torch.Tensor:
         """Grouped LoRA: x @ A[s] @ B[s] for the tokens of every slot s of the bucket at once.
@@ -155,18 +167,28 @@ class AdapterLayer(nn.Module):
         if self.lora_a is not None:
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()
-        for stack in (self.ia3_in, self.ia3_out):
+        for stack in (self.ia3_in, self.ia3_out, self.dora_scale):
             if stack is not None:
                 stack[slot].fill_(1)
         if isinstance(weights, LoraWeights):
             self.ensure_lora(max_rank)
             r = weights.rank
             self.lora_a[slot, :r].copy_(weights.a)
-            self.lora_b[slot, :r].copy_(weights.b.t() * weights.scale)
+            b = weights.b.t() * weights.scale  # [r, out]
+            if weights.out_scale is not None:  # DoRA: g ⊙ s·B A x
+                b = b * weights.out_scale
+                self.ensure_dora()[slot].copy_(weights.out_scale)
+            self.lora_b[slot, :r].copy_(b)
         elif isinstance(weights, Ia3Weights):
             self.ensure_ia3(weights.feedforward)[slot].copy_(weights.vector)
         elif isinstance(weights, RowDelta):
             self.deltas[slot] = weights
+
+    def ensure_dora(self) -> torch.Tensor:
+        if self.dora_scale is None:
+            like = dict(dtype=self._dtype(), device=self._device())
+            self.dora_scale = torch.ones(self.num_slots, self.out_features, **like)
+        return self.dora_scale
 
     def _dtype(self) -> torch.dtype:
         return self.base.weight.dtype
@@ -208,15 +230,23 @@ class AdapterRegistry:
         self._free = list(range(config.num_slots - 1, 0, -1))
         self.slot_bucket = [0] * config.num_slots  # LoRA rank rounded up; 0 = not LoRA
         self.slot_is_ia3 = [False] * config.num_slots
+        self.slot_is_dora = [False] * config.num_slots
 
     # -- reading adapters -------------------------------------------------------------
 
     def parse(self, path: str | os.PathLike) -> AdapterWeights:
         """Read and validate a PEFT adapter folder against this model and config."""
         spec = self.inspect(path)
+        # weight_methods builds on this module's weight types, hence imported here
+        from symbiont.serve.weight_methods import WEIGHT_METHODS, build_modules, method_of
+
         tensors = spec.load_tensors()
-        modules = self._modules_of(spec, tensors)
-        return AdapterWeights(str(spec.path), spec.method, modules)
+        method = method_of(spec)
+        if method in WEIGHT_METHODS:
+            modules = build_modules(spec, tensors, self._base, self.config.max_lora_rank)
+        else:
+            modules = self._modules_of(spec, tensors)
+        return AdapterWeights(str(spec.path), method, modules)
 
     def inspect(self, path: str | os.PathLike) -> AdapterSpec:
         """Config and weight headers of a PEFT adapter folder, checked against this model
@@ -224,8 +254,9 @@ class AdapterRegistry:
         spec = read_adapter(path)
         if spec.method not in SERVED_METHODS:
             raise AdapterError(
-                f"{spec.path} is a {spec.peft_type} adapter; the serving engine batches LoRA "
-                "and IA3 adapters only (use `symbiont generate --adapter` for other PEFT methods)"
+                f"{spec.path} is a {spec.peft_type} adapter, which the serving engine does not "
+                f"serve: it batches {', '.join(SERVED_METHODS)} (use `symbiont generate "
+                "--adapter` for other PEFT methods)"
             )
         _refuse_unsupported(spec)
         self._check_targets(spec)
@@ -239,6 +270,8 @@ class AdapterRegistry:
                 "on the output layer (lm_head) are not served"
             )
         spec.check_base(self._specs)
+        if spec.method != "lora":
+            return  # other methods wider than the LoRA stacks run in their own sub-batch
         for name, r in spec.ranks.items():
             if r > self.config.max_lora_rank:
                 raise AdapterError(
@@ -299,6 +332,7 @@ class AdapterRegistry:
         self._by_slot[slot] = resident
         self.slot_bucket[slot] = bucket_rank(weights.rank, self.config.max_lora_rank)
         self.slot_is_ia3[slot] = weights.method == "ia3"
+        self.slot_is_dora[slot] = weights.method == "dora"
         return slot
 
     def remove(self, name: str) -> None:
@@ -333,6 +367,7 @@ class AdapterRegistry:
         del self._by_slot[resident.slot]
         self.slot_bucket[resident.slot] = 0
         self.slot_is_ia3[resident.slot] = False
+        self.slot_is_dora[resident.slot] = False
         self._free.append(resident.slot)
 
     def _layer(self, module_name: str) -> AdapterLayer:
@@ -398,11 +433,13 @@ def adapter_batch(token_slots: torch.Tensor, registry: AdapterRegistry) -> Adapt
     device = token_slots.device
     bucket_of = torch.tensor(registry.slot_bucket, device=device)[token_slots]  # [n_tokens]
     is_ia3 = torch.tensor(registry.slot_is_ia3, device=device)
+    is_dora = torch.tensor(registry.slot_is_dora, device=device)
     ranks = sorted(set(bucket_of.tolist()) - {0})
     return AdapterBatch(
         token_slots=token_slots,
         lora=tuple(_lora_bucket(token_slots, bucket_of == r, r) for r in ranks),
         has_ia3=bool(is_ia3[token_slots].any()),
+        has_dora=bool(is_dora[token_slots].any()),
     )
 
 
@@ -443,8 +480,6 @@ def _out(module: nn.Module) -> int:
 def _refuse_unsupported(spec: AdapterSpec) -> None:
     refusals = {
         "lora_bias": "LoRA biases (lora_bias=True) are not served",
-        "use_dora": "DoRA adapters are not batched by the serving engine (symbiont generate "
-        "--adapter runs them)",
         "modules_to_save": "modules_to_save (fully trained extra modules) are not served",
         "layer_replication": "layer_replication is not served",
         "trainable_token_indices": "trainable_token_indices are not served",

@@ -73,6 +73,7 @@ class AdapterBatch:
     token_slots: torch.Tensor  # [n_tokens] adapter slot per token, 0 = none
     lora: tuple[LoraBucket, ...]  # empty when no token uses LoRA
     has_ia3: bool
+    has_dora: bool = False  # some token's slot holds a DoRA adapter
 
 
 @dataclass(frozen=True)

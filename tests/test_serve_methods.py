@@ -1,0 +1,156 @@
+"""Every PEFT weight method the engine serves equals vanilla peft, alone and mixed.
+
+AdaLoRA, VeRA, LoHa, LoKr and DoRA adapters share batches with LoRA adapters of two
+ranks and the plain base; each request's greedy tokens must equal vanilla peft's
+`generate` with its adapter alone, and its logits must stay within LOGITS_ATOL (fp32).
+"""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+
+from symbiont import BaseExecutor, load_client
+from symbiont.serve import AdapterError, Engine, EngineConfig, Request, SamplingParams
+from tests.test_serve_common import Reference, lora_config, prompts, save_adapter
+
+LOGITS_ATOL = 1e-4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+# max_lora_rank 8: the rank-9 LoHa and the rank-12 VeRA run in their own sub-batch.
+SMALL = EngineConfig(
+    max_running=6, max_batched_tokens=12, block_size=4, num_blocks=128, max_lora_rank=8
+)
+WIDE = EngineConfig(
+    max_running=16, max_batched_tokens=256, block_size=4, num_blocks=128, max_lora_rank=8
+)
+ATTN = ["q_proj", "v_proj"]
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adalora_pruned() -> peft.AdaLoraConfig:
+    """An AdaLoRA whose rank pattern pruned layer 0's q_proj from 6 to 3 (ranknum stays 6)."""
+    config = peft.AdaLoraConfig(
+        init_r=6, target_r=4, total_step=10, lora_alpha=12, target_modules=ATTN
+    )
+    config.rank_pattern = {"model.layers.0.self_attn.q_proj.lora_E": [True, False] * 3}
+    return config
+
+
+def method_configs(targets=ATTN) -> dict:
+    return {
+        "lora4": lora_config("llama", 4),
+        "lora8": lora_config("llama", 8, targets=targets),
+        "adalora": peft.AdaLoraConfig(init_r=6, target_r=4, total_step=10, target_modules=targets),
+        "adalora_pruned": _adalora_pruned(),
+        "vera": peft.VeraConfig(r=4, target_modules=targets),
+        "vera_rebuilt": peft.VeraConfig(r=12, target_modules=targets, save_projection=False),
+        "loha": peft.LoHaConfig(r=2, alpha=3, target_modules=ALL),
+        "loha_wide": peft.LoHaConfig(r=3, alpha=5, target_modules=targets),
+        "lokr": peft.LoKrConfig(r=2, alpha=3, target_modules=ALL),
+        "lokr_both": peft.LoKrConfig(r=2, alpha=4, decompose_both=True, target_modules=targets),
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
+    }
+
+
+def _save_all(base, folder, configs) -> dict:
+    out = {}
+    for i, (name, config) in enumerate(configs.items()):
+        config.task_type = "CAUSAL_LM"
+        out[name] = save_adapter(base, config, folder / name, seed=40 + i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoints, tmp_path_factory):
+    base = checkpoints("llama")
+    adapters = _save_all(base, tmp_path_factory.mktemp("methods"), method_configs())
+    return base, adapters, Reference(base, adapters)
+
+
+def engine_for(base, adapters, config=SMALL) -> Engine:
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def test_each_method_alone_equals_vanilla(setup, one_thread):
+    base, adapters, reference = setup
+    engine = engine_for(base, adapters)
+    for i, name in enumerate(adapters):
+        prompt = prompts(1, seed=100 + i)[0]
+        got = engine.generate([prompt], [name], GREEDY)[0]
+        assert got == reference.generate(prompt, name, GREEDY.max_tokens), name
+    assert engine.kv_cache.allocator.num_free == SMALL.num_blocks, "KV blocks leaked"
+
+
+def test_mixed_batch_of_every_method_equals_vanilla(setup, one_thread):
+    base, adapters, reference = setup
+    engine = engine_for(base, adapters)
+    names = [None, *adapters, *adapters]  # every method twice, with two LoRA ranks and the base
+    batch = prompts(len(names), seed=7)
+    for prompt, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
+        want = reference.generate(prompt, name, GREEDY.max_tokens)
+        assert got == want, f"{name}: batched output differs from vanilla peft alone"
+
+
+def test_mixed_batch_logits_within_tolerance(setup, monkeypatch, one_thread):
+    base, adapters, reference = setup
+    engine = engine_for(base, adapters, config=WIDE)
+    captured = []
+    forward = engine.runner.forward
+    monkeypatch.setattr(
+        engine.runner, "forward", lambda b: captured.append(forward(b)) or captured[-1]
+    )
+    names = [None, *adapters]
+    batch = prompts(len(names), seed=21)
+    for i, (p, name) in enumerate(zip(batch, names, strict=True)):
+        engine.add_request(Request(f"q{i}", p, name, SamplingParams(max_tokens=1, temperature=0)))
+    engine.step()  # WIDE fits every prompt: one row of logits per request, in order
+    assert captured[0].shape[0] == len(batch)
+    for i, (p, name) in enumerate(zip(batch, names, strict=True)):
+        want, got = reference.logits(p, name)[-1], captured[0][i]
+        assert torch.allclose(got, want, atol=LOGITS_ATOL), (
+            f"{name}: max |diff| {float((got - want).abs().max()):.2e}"
+        )
+
+
+def test_wide_methods_run_in_their_own_sub_batch(setup):
+    """LoHa r=3 is an exact LoRA of rank 9 and VeRA r=12 one of rank 12, both above
+    max_lora_rank 8: served as per-slot row deltas, not refused, and not in the stacks."""
+    base, adapters, _ = setup
+    engine = engine_for(base, {k: adapters[k] for k in ("loha", "loha_wide", "vera_rebuilt")})
+    info = {n: engine.adapters.info(n) for n in ("loha", "loha_wide", "vera_rebuilt")}
+    assert info["loha"]["method"] == "loha" and info["loha"]["rank"] == 4  # r1·r2 in the stacks
+    assert info["loha_wide"]["rank"] == 0 and info["vera_rebuilt"]["rank"] == 0
+    assert engine.adapters.slot_bucket[info["loha_wide"]["slot"]] == 0
+
+
+def test_dora_keeps_the_bias_unscaled(checkpoints, tmp_path, one_thread):
+    """qwen2's q/k/v projections have biases: DoRA scales W x, not b."""
+    base = checkpoints("qwen2")
+    configs = {
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
+        "lora": lora_config("qwen2", 2),
+    }
+    adapters = _save_all(base, tmp_path, configs)
+    reference = Reference(base, adapters)
+    engine = engine_for(base, adapters)
+    names = [None, "dora", "lora", "dora"]
+    batch = prompts(len(names), seed=3)
+    for p, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
+        assert got == reference.generate(p, name, GREEDY.max_tokens), name
+
+
+def test_refusals_name_the_method_and_reason(setup, tmp_path):
+    base, adapters, _ = setup
+    engine = engine_for(base, {})
+    bias = save_adapter(base, lora_config("llama", 2, lora_bias=True), tmp_path / "bias", seed=1)
+    with pytest.raises(AdapterError, match="LoRA biases"):
+        engine.load_adapter("bias", bias)
+    dora16 = peft.LoraConfig(r=16, use_dora=True, task_type="CAUSAL_LM", target_modules=ATTN)
+    big = save_adapter(base, dora16, tmp_path / "big", seed=2)
+    with pytest.raises(AdapterError, match="--max-lora-rank 16"):
+        engine.load_adapter("big", big)
+    assert engine.adapters.names() == []
