@@ -6,6 +6,7 @@ adapter, vanilla transformers for the base; greedy tokens equal, logits within 1
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -18,9 +19,11 @@ from symbiont import BaseExecutor, load_client
 from symbiont.delta import CompressConfig, load_delta, merge_checkpoint
 from symbiont.delta.compress import compress
 from symbiont.serve import Engine, EngineConfig, Request, SamplingParams
+from symbiont.serve.adapter_cache import AdapterFailed
 from symbiont.serve.adapters import AdapterError
 from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
+from tests.test_adapter_cache import run_all
 from tests.test_delta import perturbed_copy
 from tests.test_serve_common import Reference, add_char_tokenizer, make_adapters, prompts
 from tests.test_serve_engine import GREEDY, SMALL, WIDE
@@ -181,9 +184,13 @@ def test_delta_changing_tied_embeddings_is_refused(checkpoints, tmp_path):
     assert engine.adapters.names() == []
 
 
-def test_openai_client_over_http(served):
+def test_openai_client_over_http(served, delta_dir_folder):
     base, delta_dir, adapters, reference, merged = served
+    for name in ("lora4", "ia3", "ft2", "tampered"):
+        shutil.rmtree(delta_dir_folder / name)
+    (delta_dir_folder / "ft").rename(delta_dir_folder / "dft")  # a delta of --adapter-dir
     config = ServerConfig(
+        adapter_dir=str(delta_dir_folder),
         model=str(base),
         adapters=(("lora4", str(adapters["lora4"])),),
         deltas=(("ft", str(delta_dir)), ("hot", str(delta_dir), "merged")),
@@ -195,11 +202,17 @@ def test_openai_client_over_http(served):
     with BackgroundServer(config) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         models = {m.id: m for m in client.models.list().data}
-        assert set(models) == {"tiny-llama", "lora4", "ft", "hot"}
+        assert set(models) == {"tiny-llama", "lora4", "ft", "hot", "dft"}
         assert models["ft"].model_extra["parent"] == "tiny-llama"
+        cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/adapters").json()["data"]}
+        assert cards["other-base"]["method"] == "delta" and cards["other-base"]["state"] == (
+            "failed"
+        )
+        assert "another model" in cards["other-base"]["reason"]
         for model, ref, adapter in [
             ("ft", merged, None),
             ("hot", merged, None),
+            ("dft", merged, None),
             ("lora4", reference, "lora4"),
             ("tiny-llama", reference, None),
         ]:
@@ -209,3 +222,73 @@ def test_openai_client_over_http(served):
             ), model
         refused = httpx.delete(f"{server.url}/v1/adapters/ft")
         assert refused.status_code == 400 and "stays loaded" in refused.text
+
+
+def _copy(folder, to):
+    shutil.copytree(folder, to)
+    return to
+
+
+@pytest.fixture
+def delta_dir_folder(served, tmp_path):
+    """--adapter-dir with two LoRA adapters, two good deltas, a delta of another base and
+    a tampered one."""
+    base, delta_dir, adapters, _, _ = served
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name in ("lora4", "ia3"):
+        _copy(adapters[name], root / name)
+    for name in ("ft", "ft2", "other-base", "tampered"):
+        _copy(delta_dir, root / name)
+    manifest = root / "other-base" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["base"]["fingerprint"] = "0" * len(record["base"]["fingerprint"])
+    manifest.write_text(json.dumps(record))
+    data = root / "tampered" / "delta.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return root
+
+
+def test_deltas_under_adapter_dir_share_the_cache(served, delta_dir_folder, one_thread):
+    """Deltas of --adapter-dir are found by their manifest, loaded on demand, evicted by
+    the cache (at most --max-deltas resident), and equal `delta merge` + transformers;
+    bad ones fail alone with their reason."""
+    base = served[0]
+    config = EngineConfig(
+        max_running=8, max_batched_tokens=64, block_size=4, num_blocks=128, max_adapters=2,
+        max_deltas=1,
+    )  # fmt: skip
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    cache = engine.attach_adapter_dir(delta_dir_folder)
+    cards = {card["id"]: card for card in cache.cards()}
+    assert {n: c["method"] for n, c in cards.items() if c["method"] == "delta"}.keys() == {
+        "ft", "ft2", "other-base", "tampered"
+    }  # fmt: skip
+    assert cards["other-base"]["state"] == "failed"
+    assert "another model" in cards["other-base"]["reason"]
+    assert cards["tampered"]["state"] == "disk", "file hashes are checked when loaded"
+    with pytest.raises(AdapterFailed, match="'other-base'.*another model"):
+        engine.add_request(Request("x", [3, 4], "other-base", GREEDY))
+    names = ["ft", "ft2", "lora4", "tampered", None, "ft2", "ia3", "ft"]
+    batch = prompts(len(names), seed=13)
+    pairs = enumerate(zip(batch, names, strict=True))
+    requests = [Request(f"r{i}", p, name, GREEDY) for i, (p, name) in pairs]
+    run_all(engine, requests)
+    bad = requests[names.index("tampered")]
+    assert "adapter 'tampered' cannot be served" in bad.error and "sha256" in bad.error
+    for prompt, name, request in zip(batch, names, requests, strict=True):
+        if name != "tampered":
+            assert request.error is None, request.error
+            reference_name = "ft" if name == "ft2" else name  # ft2: a copy of ft
+            assert request.sequences[0].output_ids == want(
+                served, prompt, reference_name, GREEDY.max_tokens
+            ), name
+    cards = {card["id"]: card for card in cache.cards()}
+    assert cards["tampered"]["state"] == "failed"
+    resident = [n for n, c in cards.items() if c["method"] == "delta" and c["state"] == "resident"]
+    assert len(resident) == 1, "at most --max-deltas deltas resident"
+    assert {cards["ft"]["state"], cards["ft2"]["state"]} == {"resident", "host"}
+    assert engine.deltas is None or len(engine.deltas.by_slot) <= 1
+    assert engine.kv_cache.allocator.num_free == config.num_blocks, "KV blocks leaked"

@@ -1,7 +1,9 @@
 """Adapters served from a folder on demand: Chameleon's adapter cache, in three tiers.
 
-Every subfolder of `--adapter-dir` that holds a PEFT adapter is served under its folder
-name. Each adapter is in one tier (its `state`):
+Every subfolder of `--adapter-dir` that holds a PEFT adapter, or a compressed full
+fine-tune (a `symbiont delta compress` folder, recognised by its manifest; method
+"delta", applied as `--delta-mode` says, `symbiont.serve.deltas`), is served under its
+folder name. Each adapter or delta is in one tier (its `state`):
 
 - `disk`: found by a scan, its config and weight headers checked; weights not read.
 - `loading` -> `host`: the first request that names it starts one background load (a
@@ -11,7 +13,8 @@ name. Each adapter is in one tier (its `state`):
   (`AdapterRegistry`), at most `max_adapters` (`--max-loras`) slots, where a forward uses
   it. Copying a host adapter into a slot happens on the engine thread at admission.
 - `failed`: with the reason (bad config, bad or missing weights, another base, a rank
-  over `--max-lora-rank`, a name with `/`, `..` or NUL, a symlink out of the folder);
+  over `--max-lora-rank`, a name with `/`, `..` or NUL, a symlink out of the folder; for
+  a delta: made for another base or model (manifest), a tampered or truncated file);
   its requests are refused naming it, the others are served. Once its files change, the
   next `scan` tries it again.
 
@@ -21,6 +24,9 @@ uses it; an adapter with queued requests is evicted from a slot only after every
 unreferenced one (its weights stay in host memory, so it comes back with one copy).
 Adapters of queued requests are prefetched: `reserve` starts their load at once, while
 others run.
+
+Deltas also count against `--max-deltas` (DeltaZip's N resident deltas, `--delta` ones
+included): placing one more evicts an idle resident delta of the folder, or waits.
 
 Eviction (`--cache-policy`): `cost` evicts the lowest Chameleon score
 `F*frequency + R*recency + S*size` (0.45 / 0.10 / 0.45), each normalised to [0, 1] over
@@ -59,6 +65,8 @@ from symbiont.serve.adapters import (
 )
 from symbiont.serve.config import CachePolicy, EngineConfig
 from symbiont.serve.output import EngineObserver
+
+_DELTA_FILES = ("manifest.json", "delta.safetensors", "delta.safetensors.zst")
 
 __all__ = ["AdapterCache", "AdapterFailed", "AdapterState", "Placement", "name_problem"]
 
@@ -197,8 +205,9 @@ class AdapterCache:
             return None  # files and missing names are not adapters: not served, not listed
         problem = name_problem(name) or self._outside(path)
         if problem is None:
-            if not (path / CONFIG_FILE).is_file():
-                return None  # a folder without a PEFT config: not served, not listed
+            entry.method = "delta" if self._is_delta(path) else None
+            if entry.method is None and not (path / CONFIG_FILE).is_file():
+                return None  # neither a PEFT config nor a delta manifest: not served, not listed
             problem = self._inspect(entry)
         if problem is not None:
             entry.state, entry.reason, entry.stamp = AdapterState.FAILED, problem, _stamp(path)
@@ -211,7 +220,24 @@ class AdapterCache:
             return "its folder is a symlink pointing outside --adapter-dir; it was not read"
         return None
 
+    @staticmethod
+    def _is_delta(path: Path) -> bool:
+        from symbiont.serve.deltas import is_delta_folder
+
+        return not (path / CONFIG_FILE).exists() and is_delta_folder(path)
+
+    def _deltas(self):
+        from symbiont.serve.deltas import DeltaServer
+
+        return DeltaServer.of(self.registry)
+
     def _inspect(self, entry: CachedAdapter) -> str | None:
+        if entry.method == "delta":
+            try:
+                entry.bytes = self._deltas().inspect(entry.path)
+            except AdapterError as err:
+                return str(err)
+            return None
         try:
             spec = self.registry.inspect(entry.path)
         except AdapterError as err:
@@ -276,7 +302,10 @@ class AdapterCache:
             problem = self._outside(entry.path)  # the folder may have changed since the scan
             if problem is not None:
                 raise AdapterError(problem)
-            weights = self.registry.parse(entry.path)
+            if entry.method == "delta":
+                weights = self._deltas().parse(entry.path, self.config.delta_mode)
+            else:
+                weights = self.registry.parse(entry.path)
         except Exception as err:  # noqa: BLE001 - any failure marks this adapter only
             reason = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
             self._fail(entry, reason)
@@ -321,23 +350,40 @@ class AdapterCache:
             return Placement.READY, self.registry.acquire(cached_key(name))
 
     def _install(self, entry: CachedAdapter, evict: bool) -> bool:
+        is_delta = entry.method == "delta"
+        limit = self.config.max_deltas
+        if is_delta and limit is not None and self._deltas().num_resident >= limit:
+            victim = self._resident_victim(deltas_only=True) if evict else None
+            if victim is None:
+                return False  # every resident delta is in use (or pinned): wait
+            self._evict_resident(victim)
         if self.registry.num_free_slots == 0:
             victim = self._resident_victim() if evict else None
             if victim is None:
                 return False
-            self.registry.remove(cached_key(victim.name))
-            victim.state = AdapterState.HOST
-            self.observer.on_adapter_evict("resident")
-        self.registry.add(cached_key(entry.name), entry.weights)
+            self._evict_resident(victim)
+        slot = self.registry.add(cached_key(entry.name), entry.weights)
+        if is_delta:
+            self._deltas().place(slot, entry.weights)
         entry.state = AdapterState.RESIDENT
         return True
 
-    def _resident_victim(self) -> CachedAdapter | None:
+    def _evict_resident(self, victim: CachedAdapter) -> None:
+        key = cached_key(victim.name)
+        if victim.method == "delta":
+            self._deltas().evict(self.registry.info(key)["slot"])
+        self.registry.remove(key)
+        victim.state = AdapterState.HOST
+        self.observer.on_adapter_evict("resident")
+
+    def _resident_victim(self, deltas_only: bool = False) -> CachedAdapter | None:
         """A resident adapter no running sequence uses: unreferenced ones first."""
         idle = [
             e
             for e in self._entries.values()
-            if e.state is AdapterState.RESIDENT and self.registry.users(cached_key(e.name)) == 0
+            if e.state is AdapterState.RESIDENT
+            and self.registry.users(cached_key(e.name)) == 0
+            and (e.method == "delta" or not deltas_only)
         ]
         return self._lowest(idle)
 
@@ -417,6 +463,8 @@ def cost_scores(entries: list[CachedAdapter]) -> dict[str, float]:
 
 
 def weights_bytes(weights: AdapterWeights) -> int:
+    if hasattr(weights, "nbytes"):  # a delta (DeltaWeights) counts what it holds
+        return weights.nbytes
     total = 0
     for module in weights.modules.values():
         tensors = (module.a, module.b) if isinstance(module, LoraWeights) else (module.vector,)
@@ -440,7 +488,7 @@ def _stamp(path: Path) -> tuple:
     """Modification times of an adapter folder and its files (lstat: links not followed,
     nothing outside the folder is touched)."""
     stamps = []
-    for part in (path, path / CONFIG_FILE, path / WEIGHTS_FILE):
+    for part in (path, path / CONFIG_FILE, path / WEIGHTS_FILE, *(path / f for f in _DELTA_FILES)):
         try:
             stamps.append(os.lstat(part).st_mtime_ns)
         except OSError:

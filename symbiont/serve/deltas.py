@@ -35,6 +35,7 @@ Slots: `place(slot, weights)` (engine thread) makes a parsed delta's hooks see i
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ def is_delta_folder(path: str | os.PathLike) -> bool:
 
 
 _SERVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERVERS_LOCK = threading.Lock()  # the cache's loader threads may ask first
 
 
 class DeltaServer:
@@ -77,10 +79,11 @@ class DeltaServer:
     @classmethod
     def of(cls, registry: AdapterRegistry) -> DeltaServer:
         """The one DeltaServer of `registry`'s model (pinned and cached deltas share it)."""
-        server = _SERVERS.get(registry)
-        if server is None:
-            server = _SERVERS[registry] = cls(registry.model, registry)
-        return server
+        with _SERVERS_LOCK:
+            server = _SERVERS.get(registry)
+            if server is None:
+                server = _SERVERS[registry] = cls(registry.model, registry)
+            return server
 
     def __init__(self, model: nn.Module, registry: AdapterRegistry):
         self.model = model
