@@ -118,7 +118,7 @@ def test_pack_bits_roundtrip(bits, n):
 @pytest.mark.parametrize(
     "config", FORMATS, ids=lambda c: f"{c.bits}bit-{c.sparsity}-g{c.group_size}"
 )
-@pytest.mark.parametrize("columns", [40, 200])  # 200 % 128 != 0: a partial last group
+@pytest.mark.parametrize("columns", [40, 200, 256])  # 200 % 128 != 0: a partial last group
 def test_pack_unpack_is_exact(config, columns):
     x = correlated_inputs(256, columns, seed=4)
     solved = solve_obs(torch.randn(12, columns) * 1e-3, x.T @ x / 256, config)
@@ -128,6 +128,8 @@ def test_pack_unpack_is_exact(config, columns):
         "unpacked Δ̃ must equal the solver's bit for bit"
     )
     assert torch.equal(packed.kept(), solved.kept)
+    for dtype in (torch.float32, torch.bfloat16):  # the fast path serving runs per call
+        assert torch.equal(packed.dense(dtype), packed.dense_reference(dtype))
     # the stored size is what the format promises: bits per kept value plus the mask
     kept = columns // 2 if config.sparsity == "2:4" else columns
     assert packed.codes.numel() == 12 * -(-kept * config.bits // 8)

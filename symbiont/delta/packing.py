@@ -76,7 +76,40 @@ class PackedLayer:
         return dense
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Δ̃ [out, in] (fp32 math, then cast)."""
+        """Δ̃ [out, in] (fp32 math, then cast): the stored values dequantised where they
+        are, [out, k], then scattered to their columns: the same numbers as
+        `dense_reference`, bit for bit, several times faster (exact serving runs this at
+        every call)."""
+        rows, columns = self.shape
+        k = stored_per_row(columns, self.two_four)
+        values = self._stored_values(unpack_bits(self.codes, self.bits, k))  # [out, k]
+        if not self.two_four:
+            return values.to(dtype)
+        # the two kept columns of each group of 4 from its mask nibble (exactly two bits
+        # set, `validate`): the lowest and the highest set bit, by comparisons
+        n = unpack_bits(self.mask, 4, columns // 4)  # [out, in/4]
+        low = (n & 1 == 0).to(torch.uint8) + (n & 3 == 0) + (n & 7 == 0)
+        high = (n >= 2).to(torch.uint8) + (n >= 4) + (n >= 8)
+        where = torch.stack([low, high], 2).long() + 4 * torch.arange(columns // 4)[:, None]
+        dense = torch.zeros(rows, columns, dtype=torch.float32)
+        return dense.scatter_(1, where.view(rows, k), values).to(dtype)
+
+    def _stored_values(self, stored: torch.Tensor) -> torch.Tensor:
+        """codes [out, k] -> scale · (code - zero), fp32, each with its group's scale."""
+        rows, k = stored.shape
+        columns = self.shape[1]
+        groups = self.scale.shape[1]
+        scale, zero = self.scale.float(), self.zero.float()  # [out, groups]
+        if groups == 1 or (self.group_size and columns % self.group_size == 0):
+            # groups of equal size: broadcast instead of gathering a scale per value
+            grouped = stored.view(rows, groups, -1).float()
+            return (scale[:, :, None] * (grouped - zero[:, :, None])).view(rows, k)
+        first_column = torch.arange(k) // 2 * 4 if self.two_four else torch.arange(k)
+        group = first_column // self.group_size  # [k]: each stored value's group
+        return scale[:, group] * (stored.float() - zero[:, group])
+
+    def dense_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dense` the direct way (dense codes, boolean mask): what tests compare it to."""
         kept = self.kept()
         values = dequantize(self.codes_dense(kept), kept, self.scale, self.zero, self.group_size)
         return values.to(dtype)
