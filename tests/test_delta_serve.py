@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import openai
@@ -19,7 +20,7 @@ from symbiont import BaseExecutor, load_client
 from symbiont.delta import CompressConfig, load_delta, merge_checkpoint
 from symbiont.delta.compress import compress
 from symbiont.serve import Engine, EngineConfig, Request, SamplingParams
-from symbiont.serve.adapter_cache import AdapterFailed
+from symbiont.serve.adapter_cache import AdapterFailed, AdapterState
 from symbiont.serve.adapters import AdapterError
 from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
@@ -292,3 +293,62 @@ def test_deltas_under_adapter_dir_share_the_cache(served, delta_dir_folder, one_
     assert {cards["ft"]["state"], cards["ft2"]["state"]} == {"resident", "host"}
     assert engine.deltas is None or len(engine.deltas.by_slot) <= 1
     assert engine.kv_cache.allocator.num_free == config.num_blocks, "KV blocks leaked"
+
+
+def _flood(base, folder, max_skips: int, steps: int):
+    """A flood for the resident delta `ft` (2 requests per iteration, more than the engine
+    drains) and one request for `ft2`, which is not resident (--max-deltas 1). -> (the
+    lone request, flood requests that arrived after it and started before it)."""
+    config = EngineConfig(
+        max_running=4, max_batched_tokens=64, block_size=4, num_blocks=512, max_adapters=2,
+        max_deltas=1, max_skips=max_skips, max_queue=4096,
+    )  # fmt: skip
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    cache = engine.attach_adapter_dir(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    flood = []
+
+    def add_ft():
+        flood.append(Request(f"f{len(flood)}", [3, 4, 5], "ft", params))
+        engine.add_request(flood[-1])
+
+    add_ft()
+    while cache.state("ft") is not AdapterState.RESIDENT:
+        engine.step()
+        time.sleep(0.002)
+    for _ in range(6):
+        add_ft()
+    lone = Request("lone", [3, 4, 5], "ft2", params)
+    engine.add_request(lone)
+    arrived = len(flood)
+    deadline = time.monotonic() + 60
+    while cache.state("ft2") is not AdapterState.HOST:  # loaded: only a slot is missing
+        assert time.monotonic() < deadline, f"ft2 did not load: {cache.lookup('ft2').reason}"
+        time.sleep(0.002)
+    for _ in range(steps):
+        add_ft()
+        add_ft()
+        engine.step()
+        if lone.sequences[0].admitted_at is not None:
+            break
+    started = lone.sequences[0].admitted_at or float("inf")
+    skipped = [r for r in flood[arrived:] if (r.sequences[0].admitted_at or float("inf")) < started]
+    while lone.sequences[0].admitted_at is not None and not lone.finished:
+        engine.step()
+    return lone, skipped
+
+
+@pytest.mark.parametrize("max_skips", [0, 3])
+def test_skipping_the_line_is_bounded(served, delta_dir_folder, one_thread, max_skips):
+    """Requests for the resident delta start ahead of one waiting for a slot, at most
+    --max-skips of them; then the waiting one gets its slot and its tokens are right."""
+    lone, skipped = _flood(served[0], delta_dir_folder, max_skips, steps=200)
+    assert lone.finished and lone.error is None, "starved"
+    assert len(skipped) == max_skips, f"{len(skipped)} skipped, max_skips={max_skips}"
+    assert lone.sequences[0].output_ids == want(served, [3, 4, 5], "ft", 4)
+
+
+def test_unbounded_skipping_starves_the_waiting_request(served, delta_dir_folder, one_thread):
+    """Why the bound: with no limit the flood keeps the resident delta busy forever."""
+    lone, skipped = _flood(served[0], delta_dir_folder, max_skips=10**6, steps=60)
+    assert lone.sequences[0].admitted_at is None and len(skipped) > 20
