@@ -321,8 +321,10 @@ def test_prompt_learning_adapter_for_another_width(saved, llama, tmp_path):
         read_adapter(folder).check_base(llama)
 
 
-def test_serve_refuses_methods_it_does_not_batch(saved, llama):
+def test_serve_refuses_methods_it_does_not_batch(saved, llama, tmp_path):
     registry = AdapterRegistry(AutoModelForCausalLM.from_pretrained(llama), EngineConfig())
-    for method, peft_type in (("prefix", "PREFIX_TUNING"),):
-        with pytest.raises(AdapterError, match=f"is a {peft_type} adapter, which the serving"):
-            registry.parse(saved[method])
+    assert registry.parse(saved["prefix"]).method == "prefix_tuning"  # served since issue 14
+    hra = peft.HRAConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    folder = save_adapter(llama, hra, tmp_path / "hra", seed=0)
+    with pytest.raises(AdapterError, match="is a HRA adapter, which the serving engine does not"):
+        registry.parse(folder)

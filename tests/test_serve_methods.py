@@ -50,6 +50,12 @@ def method_configs(targets=ATTN) -> dict:
         "lokr": peft.LoKrConfig(r=2, alpha=3, target_modules=ALL),
         "lokr_both": peft.LoKrConfig(r=2, alpha=4, decompose_both=True, target_modules=targets),
         "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
+        "prompt": peft.PromptTuningConfig(num_virtual_tokens=3),
+        "ptuning": peft.PromptEncoderConfig(num_virtual_tokens=4, encoder_hidden_size=16),
+        "prefix": peft.PrefixTuningConfig(num_virtual_tokens=5),
+        "prefix_mlp": peft.PrefixTuningConfig(
+            num_virtual_tokens=2, prefix_projection=True, encoder_hidden_size=16
+        ),
     }
 
 

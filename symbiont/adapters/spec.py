@@ -153,8 +153,7 @@ class AdapterSpec:
                     f"this model; was it trained on another base?{self._made_for()}"
                 )
             self._check_shape(name, params, want, layers[name])
-        if isinstance(self.config, peft.PromptLearningConfig):
-            self._check_prompt_learning(base_model_config(base))
+        self.check_prompt_learning(base_model_config(base))
 
     def _check_shape(self, name, params, want, have: tuple[int, int]) -> None:
         if all(w is None or w == h for w, h in zip(want, have, strict=True)):
@@ -166,9 +165,10 @@ class AdapterSpec:
             f"out={have[1]}. The adapter was made for another base.{self._made_for()}"
         )
 
-    def _check_prompt_learning(self, model_config) -> None:
-        """Compare with what peft derives from the base's config (its own rule, GQA included)."""
-        if model_config is None:
+    def check_prompt_learning(self, model_config) -> None:
+        """Compare a prompt-learning config with what peft derives from the base's
+        transformers config (its own rule, GQA included); other methods pass."""
+        if model_config is None or not isinstance(self.config, peft.PromptLearningConfig):
             return
         derived = copy.copy(self.config)
         derived.num_layers = derived.token_dim = derived.num_attention_heads = None

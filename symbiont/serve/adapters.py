@@ -25,8 +25,12 @@ from symbiont.model.layers import find_base_layers, spec_of
 from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.context import AdapterBatch, LoraBucket, current_context
+from symbiont.serve.virtual_tokens import PROMPT_METHODS, VirtualTokens, read_virtual_tokens
 
-SERVED_METHODS = ("lora", "ia3", "adalora", "vera", "loha", "lokr", "dora")
+SERVED_METHODS = (
+    *("lora", "ia3", "adalora", "vera", "loha", "lokr", "dora"),
+    *("prompt_tuning", "p_tuning", "prefix_tuning"),
+)
 
 __all__ = [
     "AdapterError",
@@ -36,6 +40,7 @@ __all__ = [
     "AdapterWeights",
     "Ia3Weights",
     "LoraWeights",
+    "MethodWeights",
     "RowDelta",
     "adapter_batch",
 ]
@@ -73,6 +78,7 @@ class RowDelta:
     delta (`symbiont.serve.deltas`)."""
 
     product: Callable[[torch.Tensor], torch.Tensor]  # x [n, in] -> [n, out]
+    nbytes: int = 0  # of the tensors `product` holds
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,26 @@ class AdapterWeights:
     @property
     def rank(self) -> int:
         return max((w.rank for w in self.modules.values() if isinstance(w, LoraWeights)), default=0)
+
+
+@dataclass(frozen=True)
+class MethodWeights(AdapterWeights):
+    """An adapter of another method (`weight_methods`, `virtual_tokens`) as served."""
+
+    nbytes: int  # of the tensors held (what the adapter cache's host tier counts)
+    virtual: VirtualTokens | None = None  # prompt/prefix tuning: positions before the prompt
+
+    @classmethod
+    def of(cls, path: str, method: str, modules: dict, virtual: VirtualTokens | None = None):
+        tensors = []
+        for module in modules.values():
+            if isinstance(module, LoraWeights):
+                tensors += [module.a, module.b, module.out_scale]
+        if virtual is not None:
+            tensors += [virtual.embeds, *virtual.keys, *virtual.values]
+        held = sum(m.nbytes for m in modules.values() if isinstance(m, RowDelta))
+        held += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return cls(path, method, modules, held, virtual)
 
 
 class AdapterLayer(nn.Module):
@@ -231,6 +257,7 @@ class AdapterRegistry:
         self.slot_bucket = [0] * config.num_slots  # LoRA rank rounded up; 0 = not LoRA
         self.slot_is_ia3 = [False] * config.num_slots
         self.slot_is_dora = [False] * config.num_slots
+        self.slot_virtual: list[VirtualTokens | None] = [None] * config.num_slots
 
     # -- reading adapters -------------------------------------------------------------
 
@@ -242,11 +269,13 @@ class AdapterRegistry:
 
         tensors = spec.load_tensors()
         method = method_of(spec)
+        if method in PROMPT_METHODS:
+            virtual = read_virtual_tokens(spec, tensors, self.model)
+            return MethodWeights.of(str(spec.path), method, {}, virtual)
         if method in WEIGHT_METHODS:
             modules = build_modules(spec, tensors, self._base, self.config.max_lora_rank)
-        else:
-            modules = self._modules_of(spec, tensors)
-        return AdapterWeights(str(spec.path), method, modules)
+            return MethodWeights.of(str(spec.path), method, modules)
+        return AdapterWeights(str(spec.path), method, self._modules_of(spec, tensors))
 
     def inspect(self, path: str | os.PathLike) -> AdapterSpec:
         """Config and weight headers of a PEFT adapter folder, checked against this model
@@ -270,6 +299,7 @@ class AdapterRegistry:
                 "on the output layer (lm_head) are not served"
             )
         spec.check_base(self._specs)
+        spec.check_prompt_learning(getattr(self.model, "config", None))
         if spec.method != "lora":
             return  # other methods wider than the LoRA stacks run in their own sub-batch
         for name, r in spec.ranks.items():
@@ -333,6 +363,7 @@ class AdapterRegistry:
         self.slot_bucket[slot] = bucket_rank(weights.rank, self.config.max_lora_rank)
         self.slot_is_ia3[slot] = weights.method == "ia3"
         self.slot_is_dora[slot] = weights.method == "dora"
+        self.slot_virtual[slot] = getattr(weights, "virtual", None)
         return slot
 
     def remove(self, name: str) -> None:
@@ -368,6 +399,7 @@ class AdapterRegistry:
         self.slot_bucket[resident.slot] = 0
         self.slot_is_ia3[resident.slot] = False
         self.slot_is_dora[resident.slot] = False
+        self.slot_virtual[resident.slot] = None
         self._free.append(resident.slot)
 
     def _layer(self, module_name: str) -> AdapterLayer:
@@ -407,6 +439,10 @@ class AdapterRegistry:
             "rank": w.rank,
             "slot": resident.slot,
         }
+
+    def virtual_tokens(self, slot: int) -> VirtualTokens | None:
+        """The prompt-learning positions the adapter in `slot` puts before each prompt."""
+        return self.slot_virtual[slot]
 
     @property
     def num_free_slots(self) -> int:

@@ -78,6 +78,7 @@ class Engine:
         self.adapters = AdapterRegistry(model, self.config)
         self.runner = ModelRunner(model, self.kv_cache, self.adapters)
         self.scheduler = make_scheduler(self.config, self.kv_cache, self.max_model_len)
+        self.scheduler.virtual_tokens = self.adapters.virtual_tokens  # prompt/prefix tuning
         eos = eos_token_ids(model, tokenizer)
         self.output = OutputProcessor(eos, self.max_model_len, observer or EngineObserver())
         self.requests: dict[str, Request] = {}
@@ -292,7 +293,7 @@ class Engine:
         targets, top_n = [], []
         for item, _ in logits.prompt:
             n = item.seq.params.prompt_logprobs
-            targets += [item.seq.token_ids[p + 1] for p in item.prompt_rows]
+            targets += [item.seq.token_ids[p - item.seq.num_virtual + 1] for p in item.prompt_rows]
             top_n += [n] * len(item.prompt_rows)
         rows = torch.cat([rows for _, rows in logits.prompt])  # [n_rows, vocab]
         scores = iter(token_logprobs(rows, targets, top_n))

@@ -10,6 +10,7 @@ on the host and moved once per iteration; nothing here waits on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,10 @@ class Batch:
     n_samples: int
     prompt_spans: tuple[tuple[ScheduledSeq, int, int], ...]  # (chunk, first, end) in kept rows
     ctx: StepContext
+    # prompt tuning / P-tuning: flat rows that are virtual tokens [n_virtual] and their
+    # input embeddings [n_virtual, hidden]; None when no row of the iteration is one
+    virtual_rows: torch.Tensor | None = None
+    virtual_embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +62,13 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         with torch.inference_mode(), use_context(batch.ctx):
+            inputs = {"input_ids": batch.ids[None]}
+            if batch.virtual_rows is not None:  # peft's inputs_embeds, virtual rows put in
+                embeds = self.model.get_input_embeddings()(batch.ids)  # [n_tokens, hidden]
+                embeds[batch.virtual_rows] = batch.virtual_embeds.to(embeds.dtype)
+                inputs = {"inputs_embeds": embeds[None]}
             out = self.model(
-                input_ids=batch.ids[None],
+                **inputs,
                 position_ids=batch.positions[None],
                 use_cache=False,
                 logits_to_keep=batch.keep_rows,
@@ -67,11 +77,18 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         ids, positions, slots, token_slots, sample_rows = [], [], [], [], []
-        prompt_rows, spans = [], []
+        prompt_rows, spans, virtual_rows, virtual_embeds = [], [], [], []
         for item in scheduled:
             seq, start, stop = item.seq, item.start, item.start + item.n_tokens
             first = len(ids)
-            ids += seq.token_ids[start:stop]
+            if start < seq.num_virtual:  # virtual tokens first (positions 0..v-1)
+                n_virtual = min(stop, seq.num_virtual) - start
+                virtual_rows += range(first, first + n_virtual)
+                embeds = self.adapters.virtual_tokens(seq.adapter_slot).embeds
+                virtual_embeds.append(embeds[start : start + n_virtual])
+                ids += [0] * n_virtual  # placeholders: their embeddings are replaced
+            v = seq.num_virtual
+            ids += seq.token_ids[max(start - v, 0) : max(stop - v, 0)]
             positions += range(start, stop)
             slots += self.kv_cache.slots(seq.blocks, start, stop)
             token_slots += [seq.adapter_slot] * item.n_tokens
@@ -94,7 +111,13 @@ class ModelRunner:
         )
         n = len(sample_rows)
         spans = tuple((item, n + a, n + b) for item, a, b in spans)
-        return Batch(self._tensor(ids), self._tensor(positions), keep, n, spans, ctx)
+        batch = Batch(self._tensor(ids), self._tensor(positions), keep, n, spans, ctx)
+        if not virtual_rows:
+            return batch
+        embeds = torch.cat(virtual_embeds).to(self.device)  # [n_virtual, hidden]
+        return dataclasses.replace(
+            batch, virtual_rows=self._tensor(virtual_rows), virtual_embeds=embeds
+        )
 
     def _attn_group(self, items: list[ScheduledSeq], offsets: dict[int, int]) -> AttnGroup:
         max_q = max(item.n_tokens for item in items)

@@ -10,10 +10,7 @@ admission by Chameleon's queues. Both stop at the first sequence that does not f
 running room or KV blocks), so a large request is not overtaken forever. A sequence whose
 `--adapter-dir` adapter is still loading is skipped (others go on meanwhile); one that
 needs a slot when every slot is in use by running sequences stops the admission of
-other folder adapters until a slot frees, so it cannot starve behind popular ones;
-except that, as in DeltaZip, sequences whose adapter or delta is resident may skip the
-line, at most `max_skips` past one waiting sequence (DeltaZip preempts skippers when
-their parent finishes; we never preempt, so skipping is bounded by count instead).
+other folder adapters until a slot frees, so it cannot starve behind popular ones.
 """
 
 from __future__ import annotations
@@ -23,10 +20,13 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from symbiont.serve.adapter_cache import AdapterCache, AdapterState, Placement
+import torch
+
+from symbiont.serve.adapter_cache import AdapterCache, Placement
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.sequence import SeqStatus, Sequence
+from symbiont.serve.virtual_tokens import VirtualTokens, write_prefix
 
 
 class QueueFull(RuntimeError):
@@ -36,16 +36,18 @@ class QueueFull(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     seq: Sequence
-    n_tokens: int  # tokens of this sequence computed this iteration (1 when decoding)
+    n_tokens: int  # positions of this sequence computed this iteration (1 when decoding)
 
     @property
     def start(self) -> int:
+        """The chunk's first position (virtual positions of a prompt-learning adapter
+        come first: `Sequence.num_virtual`)."""
         return self.seq.num_computed
 
     @property
     def reaches_end(self) -> bool:
         """Whether this chunk reaches the end of the sequence's tokens."""
-        return self.seq.num_computed + self.n_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed + self.n_tokens == self.seq.num_positions
 
     @property
     def samples(self) -> bool:
@@ -60,7 +62,8 @@ class ScheduledSeq:
         seq = self.seq
         if seq.index != 0 or seq.params.prompt_logprobs is None:
             return range(0)
-        return range(self.start, min(self.start + self.n_tokens, seq.prompt_len - 1))
+        first, last = seq.num_virtual, seq.num_virtual + seq.prompt_len - 1
+        return range(max(self.start, first), min(self.start + self.n_tokens, last))
 
 
 class Admit(Enum):
@@ -89,8 +92,6 @@ class Scheduler:
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.waiting) + len(seqs) > self.config.max_queue:
             raise QueueFull(
-        self._blocked_head: Sequence | None = None  # the last sequence that found none
-        self._skips = 0  # sequences admitted ahead of it since (skip-the-line)
                 f"the request queue is full ({len(self.waiting)} waiting, max_queue="
                 f"{self.config.max_queue}); retry later"
             )
@@ -135,7 +136,17 @@ class Scheduler:
         placement = self._place_adapter(seq)
         if placement is not Placement.READY:
             return Admit.LOADING if placement is Placement.LOADING else Admit.WAIT
+        virtual = self.virtual_tokens(seq.adapter_slot) if seq.num_computed == 0 else None
+        if virtual is not None:  # known once the adapter has its slot
+            seq.num_virtual = virtual.count
+            need = self.kv_cache.blocks_for(self.reserved_len(seq))
+            if not self.kv_cache.allocator.can_allocate(need):
+                return Admit.NO_ROOM  # it keeps its slot: admission stops at it
         seq.blocks = self.kv_cache.allocator.allocate(need)
+        if virtual is not None and virtual.precomputed:  # a prefix: in the cache already
+            slots = self.kv_cache.slots(seq.blocks, 0, virtual.count)
+            write_prefix(self.kv_cache, virtual, torch.tensor(slots, device=self.kv_cache.device))
+            seq.num_computed = virtual.count
         seq.status = SeqStatus.RUNNING
         seq.admitted_at = time.monotonic()
         self.running.append(seq)
@@ -146,28 +157,22 @@ class Scheduler:
         """Put `seq`'s adapter in a slot if it can (READY), or say why not."""
         if seq.cached_adapter is None or seq.adapter_slot:
             return Placement.READY
-        if self.cache is None or (self._slot_blocked and not self._may_skip(seq)):
+        if self._slot_blocked or self.cache is None:
             return Placement.NO_SLOT
         placement, slot = self.cache.place(seq.cached_adapter)
         if placement is Placement.NO_SLOT:
             self._slot_blocked = True
-            if seq is not self._blocked_head:  # a new sequence waits: its own skip count
-                self._blocked_head, self._skips = seq, 0
         seq.adapter_slot = slot
         return placement
 
-    def _may_skip(self, seq: Sequence) -> bool:
-        """Whether `seq` may start ahead of the sequence waiting for a slot: its adapter
-        is resident (no eviction needed) and fewer than `max_skips` did so already."""
-        if self._skips >= self.config.max_skips:
-            return False  # the line is closed until the waiting sequence has its slot
-        if self.cache.state(seq.cached_adapter) is not AdapterState.RESIDENT:
-            return False
-        self._skips += 1
-        return True
-
     def reserved_len(self, seq: Sequence) -> int:
-        return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+        return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len) + seq.num_virtual
+
+    @staticmethod
+    def virtual_tokens(slot: int) -> VirtualTokens | None:
+        """The prompt-learning positions of the adapter in `slot`; the engine sets this to
+        its registry's `virtual_tokens`."""
+        return None
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence and free its KV blocks."""

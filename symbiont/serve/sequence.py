@@ -45,7 +45,10 @@ class Sequence:
     generator: torch.Generator | None  # None when greedy
     text: TextTracker | None = None  # None without a tokenizer (token ids only)
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # tokens whose keys/values are in the KV cache
+    num_computed: int = 0  # positions whose keys/values are in the KV cache
+    # positions before the prompt from a prompt-learning adapter (virtual tokens or a
+    # prefix; `symbiont.serve.virtual_tokens`): token_ids[i] is at position num_virtual + i
+    num_virtual: int = 0
     blocks: list[int] = field(default_factory=list)  # KV block table
     finish_reason: FinishReason | None = None
     last_token_time: float | None = None
@@ -60,9 +63,14 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def num_positions(self) -> int:
+        """Virtual positions plus tokens: what the KV cache holds once all are computed."""
+        return self.num_virtual + len(self.token_ids)
+
+    @property
     def num_pending(self) -> int:
-        """Tokens not yet in the KV cache (the whole prompt at first, then 1 per decode)."""
-        return len(self.token_ids) - self.num_computed
+        """Positions not yet in the KV cache (the whole prompt at first, then 1 per decode)."""
+        return self.num_positions - self.num_computed
 
     @property
     def finished(self) -> bool:

@@ -86,7 +86,7 @@ def build_modules(
 def low_rank_delta(weights: LoraWeights) -> RowDelta:
     """A LoRA too wide for the stacks, applied to its slot's rows on their own."""
     a, b = weights.a, weights.b * weights.scale  # [r, in], [out, r]
-    return RowDelta(lambda x: F.linear(F.linear(x, a), b))
+    return RowDelta(lambda x: F.linear(F.linear(x, a), b), _nbytes(a, b))
 
 
 # -- parsing ----------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def _lokr(spec, name, parts, base, shared) -> RowDelta:
         y = torch.matmul(torch.matmul(w1, x.reshape(-1, b_, d)), w2.t())  # [n, a, c]
         return y.reshape(-1, a * c)
 
-    return RowDelta(product)
+    return RowDelta(product, _nbytes(w1, w2))
 
 
 def _factor(spec, name, parts, stem: str) -> torch.Tensor:
@@ -230,6 +230,10 @@ def _dora_weight_norm(base: nn.Module, a, b, scale: float) -> torch.Tensor:
     weight = base.weight if isinstance(base, nn.Linear) else base.weight.t()  # [out, in]
     with torch.no_grad():
         return torch.linalg.norm(weight.to(a.dtype) + scale * (b @ a), dim=1)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _features(base: nn.Module) -> tuple[int, int]:
