@@ -10,7 +10,10 @@ admission by Chameleon's queues. Both stop at the first sequence that does not f
 running room or KV blocks), so a large request is not overtaken forever. A sequence whose
 `--adapter-dir` adapter is still loading is skipped (others go on meanwhile); one that
 needs a slot when every slot is in use by running sequences stops the admission of
-other folder adapters until a slot frees, so it cannot starve behind popular ones.
+other folder adapters until a slot frees, so it cannot starve behind popular ones;
+except that, as in DeltaZip, sequences whose adapter or delta is resident may skip the
+line, at most `max_skips` past one waiting sequence (DeltaZip preempts skippers when
+their parent finishes; we never preempt, so skipping is bounded by count instead).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from symbiont.serve.adapter_cache import AdapterCache, Placement
+from symbiont.serve.adapter_cache import AdapterCache, AdapterState, Placement
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.sequence import SeqStatus, Sequence
@@ -88,6 +91,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_blocked = False  # this iteration, a folder adapter found no slot
+        self._blocked_head: Sequence | None = None  # the last sequence that found none
+        self._skips = 0  # sequences admitted ahead of it since (skip-the-line)
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.waiting) + len(seqs) > self.config.max_queue:
@@ -157,13 +162,25 @@ class Scheduler:
         """Put `seq`'s adapter in a slot if it can (READY), or say why not."""
         if seq.cached_adapter is None or seq.adapter_slot:
             return Placement.READY
-        if self._slot_blocked or self.cache is None:
+        if self.cache is None or (self._slot_blocked and not self._may_skip(seq)):
             return Placement.NO_SLOT
         placement, slot = self.cache.place(seq.cached_adapter)
         if placement is Placement.NO_SLOT:
             self._slot_blocked = True
+            if seq is not self._blocked_head:  # a new sequence waits: its own skip count
+                self._blocked_head, self._skips = seq, 0
         seq.adapter_slot = slot
         return placement
+
+    def _may_skip(self, seq: Sequence) -> bool:
+        """Whether `seq` may start ahead of the sequence waiting for a slot: its adapter
+        is resident (no eviction needed) and fewer than `max_skips` did so already."""
+        if self._skips >= self.config.max_skips:
+            return False  # the line is closed until the waiting sequence has its slot
+        if self.cache.state(seq.cached_adapter) is not AdapterState.RESIDENT:
+            return False
+        self._skips += 1
+        return True
 
     def reserved_len(self, seq: Sequence) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len) + seq.num_virtual
