@@ -7,6 +7,10 @@ ranks and the plain base; each request's greedy tokens must equal vanilla peft's
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+
 import peft
 import pytest
 import torch
@@ -133,22 +137,6 @@ def test_wide_methods_run_in_their_own_sub_batch(setup):
     assert engine.adapters.slot_bucket[info["loha_wide"]["slot"]] == 0
 
 
-def test_dora_keeps_the_bias_unscaled(checkpoints, tmp_path, one_thread):
-    """qwen2's q/k/v projections have biases: DoRA scales W x, not b."""
-    base = checkpoints("qwen2")
-    configs = {
-        "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
-        "lora": lora_config("qwen2", 2),
-    }
-    adapters = _save_all(base, tmp_path, configs)
-    reference = Reference(base, adapters)
-    engine = engine_for(base, adapters)
-    names = [None, "dora", "lora", "dora"]
-    batch = prompts(len(names), seed=3)
-    for p, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
-        assert got == reference.generate(p, name, GREEDY.max_tokens), name
-
-
 def test_refusals_name_the_method_and_reason(setup, tmp_path):
     base, adapters, _ = setup
     engine = engine_for(base, {})
@@ -160,3 +148,84 @@ def test_refusals_name_the_method_and_reason(setup, tmp_path):
     with pytest.raises(AdapterError, match="--max-lora-rank 16"):
         engine.load_adapter("big", big)
     assert engine.adapters.names() == []
+
+
+def test_prompt_logprobs_after_virtual_tokens(setup, one_thread):
+    """The prompt's scores come from the rows after the virtual positions, chunked."""
+    base, adapters, reference = setup
+    engine = engine_for(base, adapters)
+    names = ["prompt", "ptuning", "prefix", "lora4", None]
+    batch = prompts(len(names), seed=9, low=6, high=14)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    requests = [
+        Request(f"p{i}", p, n, params) for i, (p, n) in enumerate(zip(batch, names, strict=True))
+    ]
+    for request in requests:
+        engine.add_request(request)
+    while not all(r.finished for r in requests):
+        engine.step()
+    for request in requests:
+        prompt = request.prompt_ids
+        rows = reference.logits(prompt, request.adapter)[-len(prompt) :]  # the prompt's rows
+        want = torch.log_softmax(rows, dim=-1)
+        got = request.prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for i in range(1, len(prompt)):
+            assert got[i].token_id == prompt[i]
+            assert abs(got[i].logprob - float(want[i - 1, prompt[i]])) < LOGITS_ATOL, (
+                f"{request.adapter}: prompt token {i}"
+            )
+
+
+def test_adapter_dir_serves_every_method_in_three_slots(setup, one_thread):
+    """Through the adapter cache: 15 folders of every method, 3 slots, so slots pass from
+    one method to another (a prefix's slot to a DoRA, and so on)."""
+    base, adapters, reference = setup
+    config = EngineConfig(max_running=6, max_batched_tokens=16, block_size=4, num_blocks=128)
+    config = dataclasses.replace(config, max_adapters=3, max_lora_rank=8)
+    engine = Engine.from_pretrained(base, config=config)
+    root = next(iter(adapters.values())).parent
+    engine.attach_adapter_dir(root)
+    names = [None, *adapters, *reversed(adapters)]
+    batch = prompts(len(names), seed=13)
+    for prompt, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
+        assert got == reference.generate(prompt, name, GREEDY.max_tokens), name
+    cards = {card["id"]: card for card in engine.cache.cards()}
+    assert not [n for n, c in cards.items() if c["state"] == "failed"], cards
+    assert cards["prefix"]["method"] == "prefix_tuning" and cards["lokr"]["bytes"] > 0
+    assert engine.kv_cache.allocator.num_free == config.num_blocks, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_other_architectures(arch, checkpoints, tmp_path, one_thread):
+    """GPT-2 (Conv1D layers, learned positions, no GQA) and Qwen2 (biases: DoRA scales W x,
+    not b)."""
+    base = checkpoints(arch)
+    configs = {
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
+        "lora": lora_config(arch, 2),
+        "prompt": peft.PromptTuningConfig(num_virtual_tokens=3),
+        "prefix": peft.PrefixTuningConfig(num_virtual_tokens=4),
+    }
+    if arch == "qwen2":
+        configs["lokr"] = peft.LoKrConfig(r=2, alpha=3, target_modules=ATTN)
+        configs["adalora"] = peft.AdaLoraConfig(init_r=4, total_step=10, target_modules=ATTN)
+    adapters = _save_all(base, tmp_path, configs)
+    reference = Reference(base, adapters)
+    engine = engine_for(base, adapters)
+    names = [None, *adapters, *adapters]
+    batch = prompts(len(names), seed=3)
+    for p, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
+        assert got == reference.generate(p, name, GREEDY.max_tokens), f"{arch} {name}"
+
+
+def test_prompt_learning_for_another_base_is_refused(setup, tmp_path):
+    base, adapters, _ = setup
+    engine = engine_for(base, {})
+    record = json.loads((adapters["prefix"] / "adapter_config.json").read_text())
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(json.dumps({**record, "num_layers": 3}))
+    shutil.copy(adapters["prefix"] / "adapter_model.safetensors", wrong)
+    with pytest.raises(AdapterError, match="num_layers is 3, this base needs 2"):
+        engine.load_adapter("wrong", wrong)
