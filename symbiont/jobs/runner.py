@@ -61,6 +61,7 @@ class JobRunner:
         self.site: Worksite | None = None
         self.current: str | None = None  # id of the job being trained
         self.step_hook: Callable[[str, int], None] | None = None  # tests: after each step
+        self.coserve = None  # CoServe under --slo-tpot-ms: steps run in engine slots
         self._cancelled: set[str] = set()  # ids of jobs cancelled while they may run
         self._recorded: set[str] = set()  # checkpoint folders of the current job with a row
         self._wake = threading.Event()
@@ -193,17 +194,22 @@ class JobRunner:
         def on_step(record: dict) -> None:
             self._on_step(job, record, total, out)
 
-        result = train(
-            model,
-            examples,
-            config,
-            out,
+        common = dict(
             pad_token_id=pad_id(site.tokenizing.tokenizer),
             eval_examples=evals,
             resume=checkpoint is not None,  # after a restart: exactly from there
             progress=False,
             on_step=on_step,
         )
+        if self.coserve is None:
+            result = train(model, examples, config, out, **common)
+        else:  # token-level steps in the slots the engine grants (symbiont/jobs/coserve.py)
+            from symbiont.jobs.coserve import profile, train_coserved
+
+            profile(model, self.coserve.cost, model.config.vocab_size)
+            result = train_coserved(
+                model, examples, config, out, coserve=self.coserve, check=self._check, **common
+            )
         self._record_checkpoints(job, out)
         return {"steps": result.steps, "eval_loss": result.eval_loss, "loss": result.final_loss}
 

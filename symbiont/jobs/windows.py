@@ -36,39 +36,115 @@ def windowed_backward(
     input_ids, labels, attention_mask: [batch, seq] (right padding only)."""
     if window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
-    _refuse_sliding_windows(model.config)
-    batch, length = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [batch, seq]
-    targets = torch.cat([labels[:, 1:], labels.new_full((batch, 1), IGNORE_INDEX)], dim=1)
-    count = int((targets != IGNORE_INDEX).sum())  # tokens the whole-sequence loss averages
-    bounds = [(a, min(a + window, length)) for a in range(0, length, window)]
-    steps = []  # per window: (loss, produced [(k, v) per layer], leaves [(k, v) per layer])
-    for a, b in bounds:
-        leaves = _leaves(steps)
-        cache = DynamicCache(config=model.config)
+    step = WindowedStep(model, input_ids, labels, attention_mask)
+    while not step.forward_done:
+        step.forward(window)
+    while not step.done:
+        step.backward()
+    return step.loss
+
+
+class WindowedStep:
+    """One training step over a batch, advanced a window at a time by whoever schedules it
+    (the co-serving worker, symbiont/jobs/coserve.py): `forward(n)` runs the next n
+    positions of every row; once the whole batch is forwarded, each `backward()` runs the
+    backward of the last window not yet done. Tokens are counted as rows x positions.
+
+    `scale` multiplies the loss whose gradients are accumulated (1 / gradient
+    accumulation); `loss` is the unscaled loss of the windows forwarded so far."""
+
+    def __init__(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        scale: float = 1.0,
+    ):
+        _refuse_sliding_windows(model.config)
+        self.model, self.input_ids, self.scale = model, input_ids, scale
+        self.batch, self.length = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.attention_mask = attention_mask
+        self.positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [batch, seq]
+        ignore = labels.new_full((self.batch, 1), IGNORE_INDEX)
+        self.targets = torch.cat([labels[:, 1:], ignore], dim=1)  # [batch, seq]
+        self.count = int((self.targets != IGNORE_INDEX).sum())  # tokens the loss averages
+        self.bounds: list[tuple[int, int]] = []  # [a, b) positions of each forwarded window
+        # per window: (loss, produced [(k, v) per layer], leaves [(k, v) per layer])
+        self.steps: list = []
+        self.pending: list = []  # per window: key/value gradients later windows left for it
+        self.loss = torch.zeros(())
+        self._next_backward: int | None = None  # window whose backward runs next
+
+    @property
+    def forwarded(self) -> int:
+        """Positions (per row) forwarded so far."""
+        return self.bounds[-1][1] if self.bounds else 0
+
+    @property
+    def forward_done(self) -> bool:
+        return self.forwarded >= self.length
+
+    @property
+    def done(self) -> bool:
+        return self._next_backward is not None and self._next_backward < 0
+
+    def next_backward_tokens(self) -> int:
+        """Tokens of the window whose backward runs next (0 while forwarding or when done)."""
+        if self._next_backward is None or self.done:
+            return 0
+        a, b = self.bounds[self._next_backward]
+        return self.batch * (b - a)
+
+    def forward(self, positions: int) -> int:
+        """Forward the next `positions` positions (fewer at the end); returns the tokens run."""
+        if positions < 1:
+            raise ValueError(f"a window needs >= 1 position, got {positions}")
+        if self.forward_done:
+            raise RuntimeError("the batch is already forwarded; run backward()")
+        a = self.forwarded
+        b = min(a + positions, self.length)
+        leaves = _leaves(self.steps)
+        cache = DynamicCache(config=self.model.config)
         for layer, (k, v) in enumerate(leaves):
             cache.update(k, v, layer)
-        out = model(
-            input_ids=input_ids[:, a:b],
-            attention_mask=attention_mask[:, :b],
-            position_ids=positions[:, a:b],
+        out = self.model(
+            input_ids=self.input_ids[:, a:b],
+            attention_mask=self.attention_mask[:, :b],
+            position_ids=self.positions[:, a:b],
             past_key_values=cache,
             use_cache=True,
         )
         logits = out.logits.float()  # [batch, b - a, vocab]
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
-            targets[:, a:b].reshape(-1),
+            self.targets[:, a:b].reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
-        ) / max(count, 1)
+        ) / max(self.count, 1)
         produced = [(layer.keys[:, :, a:b], layer.values[:, :, a:b]) for layer in cache.layers]
-        steps.append((loss, produced, leaves))
-    total = sum(loss.detach() for loss, _, _ in steps)
-    _backward_in_reverse(steps, bounds)
-    return total
+        self.steps.append((loss, produced, leaves))
+        self.pending.append([[None, None] for _ in produced])
+        self.bounds.append((a, b))
+        self.loss = self.loss + loss.detach()
+        if self.forward_done:
+            self._next_backward = len(self.steps) - 1
+        return self.batch * (b - a)
+
+    def backward(self) -> int:
+        """The backward of the last window not yet done; returns its tokens."""
+        if not self.forward_done:
+            raise RuntimeError("backward runs once the whole batch is forwarded")
+        if self.done:
+            raise RuntimeError("every window's backward has run")
+        w = self._next_backward
+        tokens = self.next_backward_tokens()
+        _backward_window(self.steps, self.pending, self.bounds, w, self.scale)
+        self.steps[w] = self.pending[w] = None  # this window's graph is done: free it
+        self._next_backward = w - 1
+        return tokens
 
 
 def _leaves(steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,31 +163,29 @@ def _leaves(steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return leaves
 
 
-def _backward_in_reverse(steps, bounds) -> None:
-    # gradients that later windows put on each window's produced keys and values
-    pending = [[[None, None] for _ in produced] for _, produced, _ in steps]
-    for w in reversed(range(len(steps))):
-        loss, produced, leaves = steps[w]
-        outputs, grads = [loss], [None]
-        for layer, pair in enumerate(produced):
-            for part in (0, 1):
-                grad = pending[w][layer][part]
-                if grad is not None and pair[part].requires_grad:
-                    outputs.append(pair[part])
-                    grads.append(grad)
-        if loss.requires_grad:
-            torch.autograd.backward(outputs, grads)
-        for layer, pair in enumerate(leaves):
-            for part in (0, 1):
-                grad = pair[part].grad
-                if grad is None:
-                    continue
-                for u in range(w):  # hand each earlier window its slice
-                    a, b = bounds[u]
-                    piece = grad[:, :, a:b]
-                    held = pending[u][layer][part]
-                    pending[u][layer][part] = piece if held is None else held + piece
-        steps[w] = None  # this window's graph is done: free it
+def _backward_window(steps, pending, bounds, w: int, scale: float) -> None:
+    """Window w's loss and the key/value gradients later windows left for it flow back
+    through its graph alone; the gradients its own leaves receive go to earlier windows."""
+    loss, produced, leaves = steps[w]
+    outputs, grads = [loss * scale], [None]
+    for layer, pair in enumerate(produced):
+        for part in (0, 1):
+            grad = pending[w][layer][part]
+            if grad is not None and pair[part].requires_grad:
+                outputs.append(pair[part])
+                grads.append(grad)
+    if loss.requires_grad:
+        torch.autograd.backward(outputs, grads)
+    for layer, pair in enumerate(leaves):
+        for part in (0, 1):
+            grad = pair[part].grad
+            if grad is None:
+                continue
+            for u in range(w):  # hand each earlier window its slice
+                a, b = bounds[u]
+                piece = grad[:, :, a:b]
+                held = pending[u][layer][part]
+                pending[u][layer][part] = piece if held is None else held + piece
 
 
 def _refuse_sliding_windows(config) -> None:

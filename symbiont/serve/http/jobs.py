@@ -179,6 +179,11 @@ class JobsService:
             log.error("%s", self.unavailable)
             self.runner.republished.set()  # nothing to restore: no job could have run
             return
+        if engine.config.slo_tpot_s is not None:  # FlexLLM's co-serving (jobs/coserve.py)
+            from symbiont.jobs.coserve import CoServe
+
+            self.runner.coserve = CoServe(engine.config.slo_tpot_s)
+            engine.iteration_hook = self.runner.coserve.after_iteration
         executor = model_executor(engine.model)
         training = _training_executor(executor, self.state.model_path)
         self._own_executor = training if training is not executor else None
