@@ -6,6 +6,7 @@ adapter, vanilla transformers for the base; greedy tokens equal, logits within 1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -100,6 +101,14 @@ def test_merged_mode_shares_a_batch_with_exact_mode(served):
     assert modes == {"exact", "merged"} and len(weights) == 2
     exact, merged = sorted(weights.values(), key=lambda w: w.mode)
     assert merged.nbytes > 4 * exact.nbytes, "merged keeps dense Δ̃, exact the packed bytes"
+
+
+def test_pinned_deltas_beyond_max_deltas_are_refused(served):
+    base, delta_dir, _, _, _ = served
+    engine = engine_with(base, delta_dir, config=dataclasses.replace(SMALL, max_deltas=1))
+    with pytest.raises(AdapterError, match="raise --max-deltas"):
+        engine.load_delta("second", delta_dir, mode="merged")
+    assert engine.adapters.names() == ["ft"]
 
 
 def test_parse_delta_mode_suffix():
