@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.serve import AdapterError, Engine, EngineConfig, Request, SamplingParams
+from symbiont.serve import (
+    AdapterError,
+    Engine,
+    EngineConfig,
+    Request,
+    RequestError,
+    SamplingParams,
+)
 from tests.test_serve_common import Reference, lora_config, prompts, save_adapter
 
 LOGITS_ATOL = 1e-4
@@ -229,3 +236,22 @@ def test_prompt_learning_for_another_base_is_refused(setup, tmp_path):
     shutil.copy(adapters["prefix"] / "adapter_model.safetensors", wrong)
     with pytest.raises(AdapterError, match="num_layers is 3, this base needs 2"):
         engine.load_adapter("wrong", wrong)
+
+
+def test_virtual_tokens_count_against_the_context(setup, tmp_path):
+    """A prompt that fits the context alone but not after the adapter's virtual tokens is
+    refused, naming them; by name and from a folder alike."""
+    base, adapters, _ = setup
+    engine = engine_for(base, {"prefix": adapters["prefix"]})
+    root = tmp_path / "dir"
+    root.mkdir()
+    shutil.copytree(adapters["prompt"], root / "prompt")
+    engine.attach_adapter_dir(root)
+    limit = engine.max_model_len  # 128 for the tiny llama
+    for name, virtual in (("prefix", 5), ("prompt", 3)):
+        params = SamplingParams(max_tokens=limit - 10, temperature=0.0)
+        with pytest.raises(RequestError, match=f"the adapter's {virtual} virtual tokens"):
+            engine.add_request(Request(f"long-{name}", [5] * (10 - virtual + 1), name, params))
+        fits = Request(f"fits-{name}", [5] * (10 - virtual), name, params)
+        engine.add_request(fits)  # exactly the context: accepted
+        engine.abort(fits.request_id)

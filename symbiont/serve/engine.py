@@ -205,12 +205,14 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        total = len(prompt) + params.max_tokens
+        virtual = self._virtual_count(request.adapter)  # prompt/prefix tuning positions
+        total = len(prompt) + params.max_tokens + virtual
         if total > self.max_model_len:
+            also = f" + the adapter's {virtual} virtual tokens" if virtual else ""
             raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens; shorten the "
-                "prompt or lower max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}){also} = "
+                f"{total} exceeds the model's context of {self.max_model_len} tokens; shorten "
+                "the prompt or lower max_tokens",
                 "max_tokens",
             )
         if self.kv_cache.blocks_for(total) > self.config.num_blocks:
@@ -219,6 +221,27 @@ class Engine:
                 f"({self.config.num_blocks} x {self.config.block_size}); lower max_tokens",
                 "max_tokens",
             )
+
+    def _virtual_count(self, name: str | None) -> int:
+        """Positions a prompt-learning adapter puts before each prompt (0 for others).
+        A folder adapter's count is read from its config (cheap; only for such methods)."""
+        from symbiont.adapters.spec import read_adapter
+        from symbiont.serve.virtual_tokens import PROMPT_METHODS
+
+        if not name:
+            return 0
+        if not self._from_folder(name):
+            if name not in self.adapters.names():
+                return 0  # unknown: add_request answers AdapterNotFound
+            tokens = self.adapters.virtual_tokens(self.adapters.info(name)["slot"])
+            return 0 if tokens is None else tokens.count
+        entry = self.cache.lookup(name)
+        if entry is None or entry.method not in PROMPT_METHODS:
+            return 0
+        try:
+            return read_adapter(entry.path, require_weights=False).config.num_virtual_tokens
+        except Exception:  # noqa: BLE001 - a broken folder fails through the cache, by name
+            return 0
 
     def _sequence(self, request: Request, index: int, slot: int) -> Sequence:
         params, prompt = request.params, list(request.prompt_ids)
