@@ -199,7 +199,8 @@ def test_adapter_dir_serves_every_method_in_three_slots(setup, one_thread):
         assert got == reference.generate(prompt, name, GREEDY.max_tokens), name
     cards = {card["id"]: card for card in engine.cache.cards()}
     assert not [n for n, c in cards.items() if c["state"] == "failed"], cards
-    assert cards["prefix"]["method"] == "prefix_tuning" and cards["lokr"]["bytes"] > 0
+    assert cards["prefix"]["method"] == "prefix_tuning" and cards["dora"]["method"] == "dora"
+    assert cards["lokr"]["bytes"] > 0
     assert engine.kv_cache.allocator.num_free == config.num_blocks, "KV blocks leaked"
 
 

@@ -242,7 +242,7 @@ class AdapterCache:
             spec = self.registry.inspect(entry.path)
         except AdapterError as err:
             return str(err)
-        entry.method = spec.method
+        entry.method = "dora" if getattr(spec.config, "use_dora", False) else spec.method
         entry.rank = max(spec.ranks.values(), default=spec.rank or 0)
         entry.bytes = spec.size_bytes
         return None
