@@ -204,10 +204,10 @@ def test_adapter_dir_serves_every_method_in_three_slots(setup, one_thread):
     assert engine.kv_cache.allocator.num_free == config.num_blocks, "KV blocks leaked"
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "gemma3"])
 def test_other_architectures(arch, checkpoints, tmp_path, one_thread):
-    """GPT-2 (Conv1D layers, learned positions, no GQA) and Qwen2 (biases: DoRA scales W x,
-    not b)."""
+    """GPT-2 (Conv1D layers, learned positions, no GQA), Qwen2 (biases: DoRA scales W x,
+    not b) and Gemma 3 (scaled input embeddings: virtual tokens are not scaled)."""
     base = checkpoints(arch)
     configs = {
         "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
