@@ -6,7 +6,8 @@ import argparse
 
 HELP = "serve a base model and many adapters behind an OpenAI-compatible API"
 DESCRIPTION = (
-    "Continuous batching of many LoRA/IA3 adapters over one frozen base model. The `model` "
+    "Continuous batching of many adapters (LoRA, IA3, AdaLoRA, VeRA, LoHa, LoKr, DoRA, "
+    "prompt, P- and prefix tuning, mixed) over one frozen base model. The `model` "
     "field of each request picks the adapter; the base model's name uses none. With "
     "--adapter-dir, every adapter folder of DIR is served by its name, loaded on first use "
     "and cached in host memory and --max-loras slots (GET /v1/adapters shows the cache)."

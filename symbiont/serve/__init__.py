@@ -9,7 +9,9 @@ Map of this package (see docs/serving.md):
 - `sequence.py`     Request, Sequence, outputs (SamplingParams from `symbiont.decoding`).
 - `kv_cache.py`     paged KV cache: blocks shared by all sequences, one block table each.
 - `attention.py`    attention over flattened tokens of many sequences (AttentionInterface).
-- `adapters.py`     PEFT LoRA/IA3 folders -> slots of stacked weights; grouped per-token apply.
+- `adapters.py`     PEFT folders -> slots of stacked weights; grouped per-token apply.
+- `weight_methods.py` AdaLoRA, VeRA, LoHa, LoKr, DoRA rewritten as LoRA slots or row terms.
+- `virtual_tokens.py` prompt, P- and prefix tuning: positions before each request's prompt.
 - `context.py`      the per-iteration StepContext layers read.
 - `async_engine.py` the engine on its own thread, with asyncio streams for the API.
 - `http/`           the FastAPI app, OpenAI schemas, Prometheus metrics, the uvicorn runner.
