@@ -1,15 +1,29 @@
-"""N concurrent LoRA fine-tuning jobs: N vanilla transformers+peft processes (each with its
-own copy of the model) against one `symbiont serve-base` and N symbiont client processes.
+"""N concurrent LoRA fine-tuning jobs: N vanilla transformers+peft processes against one
+`symbiont serve-base` and N symbiont client processes (shared-memory transport).
 
-For each N it prints aggregate training tokens/s and total peak memory (PSS sampled from
-/proc/PID/smaps_rollup) of both ways and their ratios, then the largest N each fits in a
-memory budget.
+Three ways of running the same N jobs on the same cores, each measured in this run:
 
-    python benchmarks/multi_finetune.py --jobs 1,2,4,8 --steps 4
+- `vanilla` (mmap-shared): plain `from_pretrained(dtype=float32)` of an fp32 checkpoint.
+  transformers leaves same-dtype safetensors weights memory-mapped, so N such processes
+  already share one copy of the weights through the page cache.
+- `private` (dtype-converting): the same model from a bf16 copy of the checkpoint,
+  computed in fp32 (`from_pretrained(bf16_dir, dtype=float32)`): every process converts,
+  so every process holds a private fp32 copy (as it would after a dtype change, a move
+  to a device, or quantisation).
+- `symbiont`: one `serve-base` holding the fp32 weights once, N clients without them.
 
-The model is a Llama built from config with random weights (no download), sized so the
-frozen weights dominate a job's memory. Every worker loads, trains one warm-up step,
-then waits at a barrier so all N measure the same concurrent window.
+Memory is PSS (proportional set size: shared pages divided among the processes that map
+them) of every process of an arm, read from /proc/PID/smaps_rollup at the same instant
+every 0.2 s; the peak of their sum is reported. Throughput is all tokens / (last end -
+first start) over a window that all N jobs measure together (they load, take a warm-up
+step, then wait at a barrier).
+
+    python benchmarks/multi_finetune.py --model 100m --jobs 1,2,4 --steps 3
+
+For the split it also prints where a client's step goes: time inside executor calls
+(the client's clock) split into the executor's matmuls, waiting in its queue for batch
+partners, and the rest (transport and Python on both sides), against the client's own
+compute. The models are Llamas built from config with random weights (no download).
 """
 
 from __future__ import annotations
@@ -19,39 +33,46 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODEL = dict(  # ~222M parameters, ~0.9 GB in fp32: the weights dominate a LoRA job's memory
-    vocab_size=8192,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+MODELS = {
+    "100m": dict(  # ~98M parameters, 0.39 GB in fp32: for iterating on a shared machine
+        vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12,
+    ),
+    "222m": dict(  # ~222M parameters, 0.89 GB in fp32 (issue 4's model)
+        vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16,
+    ),
+    "443m": dict(  # ~443M parameters, 1.8 GB in fp32 (issue 17's size)
+        vocab_size=8192, hidden_size=1536, intermediate_size=4096, num_hidden_layers=15,
+        num_attention_heads=16, num_key_value_heads=16,
+    ),
+}  # fmt: skip
+ARMS = ("vanilla", "private", "symbiont")
 
 
 # --------------------------------------------------------------------------- worker
 
 
 def worker(args) -> None:
-    """One fine-tuning job; writes {tokens, t_start, t_end} for the measured steps."""
+    """One fine-tuning job; writes {tokens, t_start, t_end, call_s, calls} for the
+    measured steps (call_s, calls: time in and number of executor calls, split only)."""
     import peft
     import torch
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = _load(args)
-    model = peft.get_peft_model(
-        model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
-    )
+    model, timer = _load(args)
+    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
+    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets)
+    model = peft.get_peft_model(model, config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
     model.train()
     vocab = model.config.vocab_size
@@ -67,22 +88,92 @@ def worker(args) -> None:
     Path(args.ready).write_text("ready")
     while not Path(args.go).exists():
         time.sleep(0.01)
+    timer.reset()
     start = time.time()
     tokens = sum(step() for _ in range(args.steps))
-    record = {"tokens": tokens, "t_start": start, "t_end": time.time()}
+    record = {"tokens": tokens, "t_start": start, "t_end": time.time(), **timer.totals()}
     Path(args.result).write_text(json.dumps(record))
+
+
+class CallTimer:
+    """Wraps an executor's `call` to add up the time the client spends inside it."""
+
+    def __init__(self, executor=None):
+        self.seconds, self.calls = 0.0, 0
+        if executor is not None:
+            inner = executor.call
+
+            def timed(op, layer, x):
+                start = time.perf_counter()
+                try:
+                    return inner(op, layer, x)
+                finally:
+                    self.seconds += time.perf_counter() - start
+                    self.calls += 1
+
+            executor.call = timed
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def totals(self) -> dict:
+        return {"call_s": self.seconds, "calls": self.calls}
 
 
 def _load(args):
     import torch
 
-    if args.mode == "vanilla":
+    if args.mode in ("vanilla", "private"):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        return model, CallTimer()
     import symbiont
 
-    return symbiont.load_client(args.model, symbiont.connect(args.executor))
+    options = {} if args.spin_us is None else {"spin_us": args.spin_us}
+    executor = symbiont.connect(args.executor, **options)
+    timer = CallTimer(executor)
+    return symbiont.load_client(args.model, executor), timer
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class PssSampler:
+    """PSS of a changing set of processes, read together every `interval_s`; keeps the
+    peak of their sum and each process's peak (bytes)."""
+
+    def __init__(self, interval_s: float = 0.2):
+        from symbiont.processes import pss
+
+        self._pss = pss
+        self.interval_s = interval_s
+        self.pids: list[int] = []
+        self.peak_total = 0
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watch(self, pid: int) -> None:
+        self.pids = [*self.pids, pid]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for pid in self.pids:
+                now = self._pss(pid) or 0
+                total += now
+                self.peaks[pid] = max(self.peaks.get(pid, 0), now)
+            self.peak_total = max(self.peak_total, total)
+            self._stop.wait(self.interval_s)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -90,76 +181,144 @@ def _load(args):
 
 @dataclass(frozen=True)
 class Outcome:
+    arm: str
     jobs: int
     tokens_per_s: float  # aggregate over the concurrent window
-    peak_rss: int  # sum of every process's peak PSS (sampled, shared pages split), bytes
-    executor_rss: int  # symbiont only: the serve-base process
-    per_job_rss: float  # mean peak of one job process
+    peak_pss: int  # peak of the arm's processes' PSS summed at each sample, bytes
+    executor_pss: int  # symbiont only: peak PSS of the serve-base process
+    per_job_pss: float  # mean peak PSS of one job process
+    profile: dict = field(default_factory=dict)  # symbiont only: where a step goes
 
 
-def build_model(folder: Path) -> Path:
+def build_models(folder: Path, config: dict) -> tuple[Path, Path]:
+    """The fp32 checkpoint and a bf16 copy of it (same weights, rounded)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if (folder / "config.json").is_file():
-        return folder
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(folder)
-    return folder
+    fp32, bf16 = folder / "fp32", folder / "bf16"
+    if not (fp32 / "config.json").is_file():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(
+            LlamaConfig(**config, max_position_embeddings=512, tie_word_embeddings=False)
+        )
+        model.save_pretrained(fp32)
+        model.to(torch.bfloat16).save_pretrained(bf16)
+    return fp32, bf16
 
 
-def run_one(mode: str, n: int, model_dir: Path, work: Path, args) -> Outcome:
+def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Outcome:
     from symbiont import processes as jobs
 
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-{n}-", dir=work))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{arm}-{n}-", dir=work))
+    model_dir = models[1] if arm == "private" else models[0]
     started, base, url = [], None, None
-    try:
-        if mode == "symbiont":
-            server = jobs.ServerProcess(
-                model_dir, bind=("tcp://127.0.0.1:*",), workdir=run_dir,
-                threads=args.executor_threads,
-            ).start()  # fmt: skip
-            base, url = server.job, server.url("tcp")
-            started.append(base)
-        threads = args.worker_threads
-        workers = [_spawn_worker(mode, i, model_dir, url, run_dir, threads, args) for i in range(n)]
-        started += workers
-        _barrier(workers, run_dir, n)
-        for job in workers:
-            jobs.check(jobs.reap(job))
-    finally:
-        for job in started:
-            jobs.stop(job)
+    with PssSampler() as sampler:
+        try:
+            if arm == "symbiont":
+                server = jobs.ServerProcess(
+                    model_dir, bind=("tcp://127.0.0.1:*",), workdir=run_dir,
+                    threads=args.executor_threads, args=_policy_flags(args),
+                ).start()  # fmt: skip
+                base, url = server.job, server.url("tcp")
+                started.append(base)
+                sampler.watch(base.pid)
+            workers = []
+            for i in range(n):
+                workers.append(_spawn_worker(arm, i, model_dir, url, run_dir, args))
+                sampler.watch(workers[-1].pid)
+            started += workers
+            _barrier(workers, run_dir, n)
+            before = _executor_stats(url) if url else None
+            (run_dir / "go").write_text("go")
+            for job in workers:
+                jobs.check(jobs.reap(job))
+            after = _executor_stats(url) if url else None
+        finally:
+            for job in started:
+                jobs.stop(job)
     results = [json.loads((run_dir / f"result-{i}.json").read_text()) for i in range(n)]
     window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
-    job_rss = [w.peak_pss or 0 for w in workers]
-    executor_rss = (base.peak_pss or 0) if base else 0
+    job_pss = [sampler.peaks.get(w.pid, 0) for w in workers]
     return Outcome(
+        arm,
         n,
         sum(r["tokens"] for r in results) / window,
-        sum(job_rss) + executor_rss,
-        executor_rss,
-        sum(job_rss) / n,
+        sampler.peak_total,
+        sampler.peaks.get(base.pid, 0) if base else 0,
+        sum(job_pss) / n,
+        _profile(results, before, after, window, args) if url else {},
     )
 
 
-def _spawn_worker(mode, i, model_dir, url, run_dir, threads, args):
+def _policy_flags(args) -> list[str]:
+    flags = [] if args.executor_workers is None else ["--workers", str(args.executor_workers)]
+    if args.spin_us is not None:
+        flags += ["--spin-us", str(args.spin_us)]
+    if args.max_wait_ms is not None:
+        flags += ["--max-wait-ms", str(args.max_wait_ms)]
+    return flags
+
+
+def _executor_stats(url: str) -> dict:
+    import symbiont
+
+    executor = symbiont.connect(url, mode="zmq", label="benchmark")
+    try:
+        return executor.stats()["total"]
+    finally:
+        executor.close()
+
+
+def _profile(results: list[dict], before: dict, after: dict, window: float, args) -> dict:
+    """Where the split's time went over the measured window (executor counters are
+    differences of its totals before and after)."""
+    batches = after["batches"] - before["batches"]
+    calls = after["calls"] - before["calls"]
+
+    def total_s(key: str, count: str) -> float:
+        return (after[key] * after[count] - before[key] * before[count]) / 1e3
+
+    compute_s = total_s("mean_compute_ms", "batches")
+    queue_s = total_s("mean_queue_wait_ms", "calls")
+    client_calls = sum(r["calls"] for r in results)
+    client_call_s = sum(r["call_s"] for r in results)
+    steps = len(results) * args.steps
+    per_call = client_call_s / max(client_calls, 1)
+    return {
+        "step_s": sum(r["t_end"] - r["t_start"] for r in results) / steps,
+        "calls_per_step": client_calls / steps,
+        "in_calls_s": client_call_s / steps,  # per step, client's clock
+        "call_us": 1e6 * per_call,
+        "queue_us": 1e6 * queue_s / max(calls, 1),  # waiting for batch partners
+        # a call's share of its batch's compute (several calls share one batch)
+        "compute_us": 1e6 * compute_s / max(calls, 1),
+        "batch_compute_us": 1e6 * compute_s / max(batches, 1),
+        "calls_per_batch": calls / max(batches, 1),
+        "executor_busy": compute_s / window,
+    }
+
+
+def _spawn_worker(arm, i, model_dir, url, run_dir, args):
     from symbiont import processes
 
     argv = [
-        __file__, "worker", "--mode", mode, "--model", str(model_dir),
-        "--threads", str(threads), "--steps", str(args.steps), "--batch", str(args.batch),
-        "--seq", str(args.seq), "--seed", str(i),
+        __file__, "worker", "--mode", arm, "--model", str(model_dir),
+        "--threads", str(args.worker_threads), "--steps", str(args.steps),
+        "--batch", str(args.batch), "--seq", str(args.seq), "--seed", str(i),
+        "--rank", str(args.rank), "--targets", args.targets,
         "--ready", str(run_dir / f"ready-{i}"), "--go", str(run_dir / "go"),
         "--result", str(run_dir / f"result-{i}.json"),
     ]  # fmt: skip
     if url:
         argv += ["--executor", url]
-    name, env = f"{mode}-worker-{i}", {"PYTHONPATH": str(REPO)}
+    if args.spin_us is not None:
+        argv += ["--spin-us", str(args.spin_us)]
+    name, env = f"{arm}-worker-{i}", {"PYTHONPATH": str(REPO)}
+    threads = args.worker_threads
     return processes.spawn(name, [], run_dir, threads=threads, python=argv, env=env)
 
 
-def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 600) -> None:
+def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
     from symbiont import processes as jobs
 
     deadline = time.monotonic() + timeout_s
@@ -170,31 +329,53 @@ def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 600) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers not ready after {timeout_s}s; see {run_dir}")
         time.sleep(0.05)
-    (run_dir / "go").write_text("go")
 
 
-def report(rows: list[tuple[Outcome, Outcome]], budget: int) -> str:
+def report(rows: list[dict[str, Outcome]]) -> str:
     gib = 2**30
-    lines = [
-        f"{'N':>3} {'vanilla tok/s':>14} {'symbiont tok/s':>15} {'tput ratio':>11} "
-        f"{'vanilla GiB':>12} {'symbiont GiB':>13} {'mem ratio':>10}",
-    ]
-    for v, s in rows:
+    arms = [a for a in ARMS if a in rows[0]]
+    head = f"{'N':>3} " + " ".join(f"{a + ' tok/s':>15}" for a in arms)
+    head += " " + " ".join(f"{a + ' GiB':>13}" for a in arms)
+    baselines = [a for a in arms if a != "symbiont"]
+    if "symbiont" in arms:
+        head += " " + " ".join(f"{'tput/' + b:>13} {'mem/' + b:>12}" for b in baselines)
+    lines = [head]
+    for row in rows:
+        line = f"{row[arms[0]].jobs:>3} "
+        line += " ".join(f"{row[a].tokens_per_s:>15.1f}" for a in arms)
+        line += " " + " ".join(f"{row[a].peak_pss / gib:>13.2f}" for a in arms)
+        if "symbiont" in arms:
+            s = row["symbiont"]
+            for b in baselines:
+                line += f" {s.tokens_per_s / row[b].tokens_per_s:>12.2f}x"
+                line += f" {s.peak_pss / row[b].peak_pss:>11.2f}x"
+        lines.append(line)
+    last = rows[-1]
+    lines += ["", f"per process at N={last[arms[0]].jobs} (peak PSS):"]
+    for a in arms:
+        o = last[a]
+        extra = f", executor {o.executor_pss / gib:.2f} GiB" if a == "symbiont" else ""
+        lines.append(f"  {a}: {o.per_job_pss / gib:.2f} GiB per job{extra}")
+    if "symbiont" in arms:
+        lines += ["", "split: where a client's step goes (per step of one job; calls per step)"]
         lines.append(
-            f"{v.jobs:>3} {v.tokens_per_s:>14.1f} {s.tokens_per_s:>15.1f} "
-            f"{s.tokens_per_s / v.tokens_per_s:>10.2f}x {v.peak_rss / gib:>12.2f} "
-            f"{s.peak_rss / gib:>13.2f} {s.peak_rss / v.peak_rss:>10.2f}"
+            f"{'N':>3} {'step s':>8} {'calls':>6} {'in calls':>9} {'call us':>8} "
+            f"{'matmul':>8} {'queue':>8} {'rest':>8} {'calls/batch':>12} {'exec busy':>10}"
         )
-    v, s = rows[-1]
-    fit_v = int(budget // v.per_job_rss)
-    fit_s = int(max(0, budget - s.executor_rss) // s.per_job_rss)
-    lines += [
-        "",
-        f"per job: vanilla {v.per_job_rss / gib:.2f} GiB; symbiont client "
-        f"{s.per_job_rss / gib:.2f} GiB + one executor {s.executor_rss / gib:.2f} GiB",
-        f"largest N in a {budget / gib:.0f} GiB budget (from the N={v.jobs} per-process peaks): "
-        f"vanilla {fit_v}, symbiont {fit_s}",
-    ]
+        for row in rows:
+            p = row["symbiont"].profile
+            rest = p["call_us"] - p["queue_us"] - p["compute_us"]
+            lines.append(
+                f"{row['symbiont'].jobs:>3} {p['step_s']:>8.3f} {p['calls_per_step']:>6.0f} "
+                f"{p['in_calls_s'] / p['step_s']:>8.0%} {p['call_us']:>8.0f} "
+                f"{p['compute_us']:>8.0f} {p['queue_us']:>8.0f} {rest:>8.0f} "
+                f"{p['calls_per_batch']:>12.2f} {p['executor_busy']:>9.0%}"
+            )
+        lines.append(
+            "(in calls: share of the step the client waits on the executor; call us: mean "
+            "per call on the client's clock = matmul (its share of the batch's compute) + "
+            "queue (waiting for batch partners) + rest (transport, Python on both sides))"
+        )
     return "\n".join(lines)
 
 
@@ -204,43 +385,71 @@ def main(argv=None) -> int:
     w = sub.add_parser("worker")
     for flag in ("--mode", "--model", "--executor", "--ready", "--go", "--result"):
         w.add_argument(flag)
-    for flag, default in (("--threads", 1), ("--steps", 4), ("--batch", 2), ("--seq", 128)):
+    for flag, default in (("--threads", 1), ("--steps", 4), ("--batch", 1), ("--seq", 64)):
         w.add_argument(flag, type=int, default=default)
     w.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", default="1,2,4,8", help="comma-separated N values")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per job")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    w.add_argument("--spin-us", type=float, default=None)
+    w.add_argument("--rank", type=int, default=8)
+    w.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--model", choices=sorted(MODELS), default="100m")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"some of {','.join(ARMS)}")
+    parser.add_argument("--jobs", default="1,2,4", help="comma-separated N values")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per job")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument(
+        "--targets",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help="LoRA target modules (comma-separated, or all-linear)",
+    )
     parser.add_argument(
         "--worker-threads", type=int, default=1, help="torch threads per job process (default 1)"
     )
     parser.add_argument(
         "--executor-threads",
         type=int,
-        default=1,
-        help="torch threads of the serve-base process (default 1: on a busy 2-core machine "
-        "two OpenMP threads ran small matmuls several times slower)",
+        default=None,
+        help="torch threads of the serve-base process (default: serve-base's own default)",
     )
-    parser.add_argument("--budget-gib", type=float, default=16.0, help="memory budget (GiB)")
-    parser.add_argument("--work", default=None, help="folder for the model and logs")
+    parser.add_argument(
+        "--executor-workers",
+        type=int,
+        default=None,
+        help="serve-base --workers: batches computed at once on threads of their own",
+    )
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="shared-memory spin window of serve-base and of each client (0: always sleep)",
+    )
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=None, help="serve-base --max-wait-ms (batching wait)"
+    )
+    parser.add_argument("--work", default=None, help="folder for the models and logs")
     args = parser.parse_args(argv)
     if args.command == "worker":
         worker(args)
         return 0
+    arms = args.arms.split(",")
+    if not arms or not set(arms) <= set(ARMS):
+        parser.error(f"--arms takes some of {','.join(ARMS)}, got {args.arms!r}")
     work = Path(args.work or tempfile.mkdtemp(prefix="multi-finetune-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(work / "model")
-    print(f"model {model_dir}: {_params(model_dir) / 1e6:.0f}M parameters; batch {args.batch} x "
-          f"seq {args.seq}, {args.steps} measured steps per job, {os.cpu_count()} cores", flush=True)  # fmt: skip
+    models = build_models(work / f"model-{args.model}", MODELS[args.model])
+    print(f"model {args.model} ({_params(models[0]) / 1e6:.0f}M parameters, fp32); LoRA r="
+          f"{args.rank} on {args.targets}; batch {args.batch} x seq {args.seq}, {args.steps} "
+          f"measured steps per job; {os.cpu_count()} cores", flush=True)  # fmt: skip
     rows = []
     for n in (int(x) for x in args.jobs.split(",")):
-        vanilla = run_one("vanilla", n, model_dir, work, args)
-        symb = run_one("symbiont", n, model_dir, work, args)
-        rows.append((vanilla, symb))
-        print(f"N={n}: vanilla {vanilla.tokens_per_s:.1f} tok/s {vanilla.peak_rss / 2**30:.2f} GiB"
-              f" | symbiont {symb.tokens_per_s:.1f} tok/s {symb.peak_rss / 2**30:.2f} GiB", flush=True)  # fmt: skip
+        row = {arm: run_one(arm, n, models, work, args) for arm in ARMS if arm in arms}
+        rows.append(row)
+        print(f"N={n}: " + " | ".join(
+            f"{a} {o.tokens_per_s:.1f} tok/s {o.peak_pss / 2**30:.2f} GiB" for a, o in row.items()
+        ), flush=True)  # fmt: skip
     print()
-    print(report(rows, int(args.budget_gib * 2**30)))
+    print(report(rows))
     return 0
 
 

@@ -429,3 +429,71 @@ def test_a_hello_with_a_bad_pid_is_answered_and_the_service_goes_on(served):
         assert "HELLO.pid" in reply.message and "int 0.." in reply.message
     sock.close()
     assert_serves_correctly(served, served.endpoints[0])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batches_on_worker_threads_answer_each_client_and_fail_only_the_broken_layer(
+    checkpoints, tmp_path, workers
+):
+    """--workers 2 computes batches of different layers at once on two threads; every
+    client still gets its own rows, forward and backward, fused or not, and a layer that
+    fails answers its callers with the error while the other layers go on."""
+    with serve_in_thread(checkpoints("llama"), tmp_path, workers=workers) as server:
+        base = server.executor
+        broken = len(base.manifest.layers) - 1
+        run = base.run
+
+        def run_or_fail(op, layer, x):
+            if layer == broken:
+                raise RuntimeError("out of memory (test)")
+            return run(op, layer, x)
+
+        base.run = run_or_fail
+        q, k, v = (base.manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv")
+        errors, refusals = [], []
+
+        def client(seed, rows, mode):
+            generator = torch.Generator().manual_seed(seed)
+            with remote(server.endpoints[1], mode=mode, label=f"c{seed}") as executor:
+                for _ in range(2):  # the second pass fuses k and v into q's call
+                    x = torch.randn(rows, 32, generator=generator)
+                    for layer in (q, k, v):
+                        if not torch.allclose(
+                            executor.forward(layer, x), run(Op.FORWARD, layer, x), atol=1e-5
+                        ):
+                            errors.append((seed, "fused", layer))
+                for spec in base.manifest.layers[:broken]:
+                    x = torch.randn(rows, spec.in_features, generator=generator)
+                    g = torch.randn(rows, spec.out_features, generator=generator)
+                    # Batched GEMMs may differ from a lone one in the last bits.
+                    y, gx = executor.forward(spec.id, x), executor.backward(spec.id, g)
+                    if not torch.allclose(y, run(Op.FORWARD, spec.id, x), atol=1e-5):
+                        errors.append((seed, "forward", spec.id))
+                    if not torch.allclose(gx, run(Op.BACKWARD, spec.id, g), atol=1e-5):
+                        errors.append((seed, "backward", spec.id))
+                width = base.manifest.layers[broken].in_features
+                try:
+                    executor.forward(broken, torch.randn(rows, width))
+                except ExecutorError as err:
+                    refusals.append(str(err))
+
+        threads = [
+            threading.Thread(target=client, args=(seed, rows, mode))
+            for seed, rows, mode in [(1, 1, "zmq"), (2, 7, "shm"), (3, 33, "shm"), (4, 3, "zmq")]
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, f"rows of another client or wrong results: {errors}"
+        assert len(refusals) == 4
+        assert all(f"failed running layer {broken}: out of memory" in r for r in refusals)
+        with remote(server.endpoints[0]) as executor:
+            assert torch.equal(
+                executor.forward(0, torch.ones(2, 32)), run(Op.FORWARD, 0, torch.ones(2, 32))
+            )
+            with pytest.raises(
+                ExecutorError, match=f"failed running layer {broken}: out of memory"
+            ):
+                executor.forward(broken, torch.ones(2, base.manifest.layers[broken].in_features))
+        assert server._in_flight == 0

@@ -75,7 +75,9 @@ class ServiceConfig:
     the last call before it sleeps on the socket (the shared-memory fast path).
     host_cores: cores that the executor and its same-host clients share, which decides
     whether spinning pays (default: the cores this process may run on; pass the host's
-    when the executor is pinned to a few of them).
+    when the executor is pinned to a few of them). workers: how many batches (of
+    different layers, from different clients) are computed at once, each on a thread of
+    its own; the loop itself only takes calls and answers them meanwhile.
     """
 
     bind: tuple[str, ...] = field(
@@ -117,8 +119,18 @@ class ServiceConfig:
         default=True, metadata={"help": "refuse shared-memory clients", "flag": "--no-shm"}
     )
     host_cores: int | None = None
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "batches run at once, each on its own thread with --threads torch threads: "
+            "with several clients at different layers, --workers CORES --threads 1 keeps every "
+            "core on a matmul without OpenMP's barriers (default 1: one batch at a time)"
+        },
+    )
 
     def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if not self.bind:
             raise ValueError("ServiceConfig.bind needs at least one endpoint")
         for url in self.bind:

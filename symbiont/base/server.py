@@ -4,7 +4,10 @@ One thread runs one loop: take every message waiting on the ROUTER socket, take 
 call posted in a client's shared-memory segment, then let the scheduler pick a layer
 to run, run it (one matmul per direction over the concatenated tokens) and answer each
 caller. While calls keep coming the loop spins on shared memory instead of sleeping on
-the socket, so a same-host call costs no system call on either side.
+the socket, so a same-host call costs no system call on either side. With `workers` > 1
+the batches are computed on a pool of threads (torch releases the GIL in a matmul), so
+several layers' batches run at once on several cores; the loop still does everything
+else (queues, replies, sessions), and a worker's end wakes it through a pipe.
 
 Nothing a client sends can stop the loop: a malformed message, a wrong shape or dtype,
 an unknown layer or an oversized call is answered with an ERROR to that client only; a
@@ -18,7 +21,9 @@ import contextlib
 import hmac
 import logging
 import os
+import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -100,6 +105,22 @@ class ExecutorServer:
         self._on_cpu = executor.device.type == "cpu"
         self._cores = config.host_cores or shm.cores()
         self._welcome = self.manifest.to_dict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # finished batches, from workers
+        self._in_flight = 0  # batches handed to workers and not yet answered
+        if config.workers > 1:
+            # A new thread takes OpenMP's default thread count: give workers ours.
+            self._pool = ThreadPoolExecutor(
+                config.workers,
+                thread_name_prefix="executor",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            self._poller.register(self._wake_r, zmq.POLLIN)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -135,6 +156,10 @@ class ExecutorServer:
             self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         for session in list(self.sessions.values()):
             self._forget(session)
         self._sock.close(linger=0)
@@ -149,8 +174,10 @@ class ExecutorServer:
     def step(self) -> None:
         """One turn: take new work, run at most one batch, else spin or sleep."""
         got = self._drain_socket() + self._poll_shm()
+        if self._pool is not None:
+            got += self._answer_finished()
         now = time.monotonic()
-        batch = self.scheduler.pop_ready(now)
+        batch = self.scheduler.pop_ready(now) if self._in_flight < self.config.workers else None
         if batch:
             self._run(batch, now)
             self._last_busy = time.monotonic()
@@ -160,7 +187,9 @@ class ExecutorServer:
             return
         if now >= self._next_housekeeping:
             self._housekeeping(now)
-        wake = self.scheduler.next_wake(now)
+        # Every worker busy: nothing can run before one finishes (its byte wakes us).
+        full = self._pool is not None and self._in_flight >= self.config.workers
+        wake = None if full else self.scheduler.next_wake(now)
         if (wake is not None and wake < 1e-3) or (
             self._spin_ok and now - self._last_busy < self._spin_s
         ):
@@ -178,7 +207,10 @@ class ExecutorServer:
             if self._poll_shm():
                 self._wake(sessions)
                 return
-        self._sock.poll(timeout_ms)
+        if self._pool is None:
+            self._sock.poll(timeout_ms)
+        elif self._done.empty():  # else a worker has finished: no sleep
+            self._poller.poll(timeout_ms)  # a message, or a worker's byte in the pipe
         self._wake(sessions)
 
     def _wake(self, sessions: list[Session]) -> None:
@@ -525,56 +557,93 @@ class ExecutorServer:
     # -- running a batch ----------------------------------------------------------
 
     def _run(self, calls: list[QueuedCall], now: float) -> None:
-        """Run one layer for `calls`: one matmul per direction over all their tokens."""
+        """Run one layer for `calls`: one matmul per direction over all their tokens (on a
+        worker when there is a pool and another client could use the loop meanwhile)."""
         first = calls[0]
         started = time.monotonic()
         if first.layer >= self.n_linear:
             tokens = self._run_experts(first.layer - self.n_linear, calls)
-        elif len(calls) == 1:
-            tokens = self._run_group(first.op, first.layer, calls)
+            waited = sum(started - c.arrived for c in calls)
+            self.stats.record(first.layer, len(calls), tokens, waited, started)
+        elif self._pool is not None and (self._in_flight or len(self.sessions) > 1):
+            self._in_flight += 1
+            self._pool.submit(self._compute_on_worker, calls, started)
         else:
-            tokens = 0
-            for op in (Op.FORWARD, Op.BACKWARD):
-                group = [c for c in calls if c.op is op]
-                if group:
-                    tokens += self._run_group(op, first.layer, group)
-        waited = sum(started - c.arrived for c in calls)
-        self.stats.record(first.layer, len(calls), tokens, waited, started)
+            self._answer(calls, self._compute(calls), started, time.monotonic())
 
-    def _run_group(self, op: Op, layer: int, calls: list[QueuedCall]) -> int:
+    def _compute_on_worker(self, calls: list[QueuedCall], started: float) -> None:
+        """A worker thread: compute, then hand the outputs to the loop (which answers)."""
+        try:
+            with torch.inference_mode():
+                answers = self._compute(calls)
+        except BaseException as err:  # noqa: BLE001 - the loop must hear of every batch
+            answers = {id(c): (calls[0].layer, err) for c in calls}
+        self._done.put((calls, answers, started, time.monotonic()))
+        os.write(self._wake_w, b"x")
+
+    def _answer_finished(self) -> int:
+        """Answer the batches workers have finished; returns how many."""
+        finished = 0
+        while not self._done.empty():
+            self._in_flight -= 1
+            self._answer(*self._done.get_nowait())
+            finished += 1
+        if finished:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        return finished
+
+    def _compute(self, calls: list[QueuedCall]) -> dict:
+        """id(call) -> its outputs [[n_i, out_l] per layer], or (layer, error) if failed.
+        Touches no session, socket or segment: runs on a worker thread too."""
+        answers: dict = {}
+        for op in (Op.FORWARD, Op.BACKWARD):
+            group = [c for c in calls if c.op is op]
+            if group:
+                self._compute_group(op, calls[0].layer, group, answers)
+        return answers
+
+    def _compute_group(self, op: Op, layer: int, calls: list[QueuedCall], answers: dict) -> None:
         """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
         outs = self._batched(op, layer, calls)
-        if outs is None:
-            return 0
-        if len(calls) == 1 and not calls[0].extra:
-            self._reply(calls[0], outs)
-            return calls[0].tokens
-        answers = {id(c): [y] for c, y in zip(calls, outs, strict=True)}
+        for call, y in zip(calls, outs, strict=True):
+            answers[id(call)] = y if type(y) is tuple else [y]
         for other in sorted({e for c in calls for e in c.extra}):
-            group = [c for c in calls if other in c.extra]
-            outs = self._batched(op, other, group)
-            if outs is None:
-                continue  # those calls were failed; the others still get their answers
-            for call, y in zip(group, outs, strict=True):
-                answers[id(call)].append(y)
-        for call in calls:
-            if call.session.waiting:  # not failed on the way
-                self._reply(call, answers[id(call)])
-        return sum(c.tokens for c in calls)
+            group = [c for c in calls if other in c.extra and type(answers[id(c)]) is list]
+            if not group:
+                continue  # those calls failed; the others still get their answers
+            for call, y in zip(group, self._batched(op, other, group), strict=True):
+                if type(y) is tuple:
+                    answers[id(call)] = y
+                else:
+                    answers[id(call)].append(y)
 
-    def _batched(self, op: Op, layer: int, calls: list[QueuedCall]) -> list[torch.Tensor] | None:
-        """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]."""
+    def _answer(self, calls: list[QueuedCall], answers: dict, started: float, ended: float):
+        """Reply to each call of a computed batch (or fail it), then count the batch."""
+        tokens = 0
+        for call in calls:
+            answer = answers[id(call)]
+            if type(answer) is tuple:
+                layer, err = answer
+                self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
+            elif call.session.waiting:  # not gone on the way
+                self._reply(call, answer)
+                tokens += call.tokens
+        waited = sum(started - c.arrived for c in calls)
+        self.stats.record(calls[0].layer, len(calls), tokens, waited, started, ended)
+
+    def _batched(self, op: Op, layer: int, calls: list[QueuedCall]) -> list:
+        """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]; where
+        it fails (e.g. out of memory), (layer, error) for each call instead."""
         x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
         try:
             if self._on_cpu:
                 y = self.executor.run(op, layer, x)
             else:
                 y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
-        except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
+        except (RuntimeError, ValueError) as err:  # fail these calls only
             log.exception("layer %d %s failed", layer, op.name.lower())
-            for call in calls:
-                self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
-            return None
+            return [(layer, err)] * len(calls)
         return [y] if len(calls) == 1 else list(y.split([c.tokens for c in calls]))
 
     def _run_experts(self, experts: int, calls: list[QueuedCall]) -> int:
@@ -690,7 +759,8 @@ class ExecutorServer:
     def _update_spin(self) -> None:
         """Spin only while the executor and each client can have a core (same host or not:
         a remote client's calls still find the loop awake)."""
-        self._spin_ok = self._spin_s > 0 and len(self.sessions) + 1 <= self._cores
+        busy = 1 + (self.config.workers if self._pool is not None else 0)  # loop + workers
+        self._spin_ok = self._spin_s > 0 and len(self.sessions) + busy <= self._cores
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
 

@@ -43,12 +43,21 @@ class Stats:
         self.refused = 0
         self.errors = 0
 
-    def record(self, layer: int, calls: int, tokens: int, waited_s: float, started: float):
-        """One batch of `calls` on `layer`, begun at monotonic time `started`."""
+    def record(
+        self,
+        layer: int,
+        calls: int,
+        tokens: int,
+        waited_s: float,
+        started: float,
+        ended: float | None = None,
+    ):
+        """One batch of `calls` on `layer`, computed from monotonic time `started` to
+        `ended` (default: now)."""
         entry = self.layers.get(layer)
         if entry is None:
             entry = self.layers[layer] = LayerStats()
-        now = time.monotonic()
+        now = time.monotonic() if ended is None else ended
         entry.batches += 1
         entry.calls += calls
         entry.tokens += tokens
