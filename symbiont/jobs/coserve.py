@@ -11,16 +11,18 @@ either. Every decode token of the iteration is delivered after its slot, so an
 iteration's time is the time per output token the clients see.
 
 f is `CostModel`: iteration seconds, linear in c and in the forward and backward
-fine-tuning tokens, with a fixed cost per pass (Python, the per-window key/value cache).
-It is profiled when a job starts, with a few timed probes on the job's own model
-(`profile`), and refitted by least squares every `refit_every` iterations over the probes
-and the last `window` measured iterations (the whole iteration, hand-off included).
+fine-tuning tokens, with a fixed cost per iteration and per pass (Python, the per-window
+key/value cache). It is profiled when a job starts, with a few timed probes on the job's
+own model (`profile`), and refitted by least squares every `refit_every` samples over the
+probes and the last `window` measured parts: each iteration's inference, and each slot
+as the engine waited for it (hand-off included).
 
-A forward window is cut no larger than the tokens whose backward also fits the SLO at the
-same load, so its backward can run in a later slot; while the engine has no inference to
-run (no iteration for two SLOs), the worker takes slots of its own, budgeted at c = 0, back
-to back. Evaluation and checkpoints run outside slots, behind the inference-first gate of
-symbiont/jobs/priority.py.
+A forward window is cut no larger than the tokens whose backward also fits 80% of the SLO
+at the same load, so its backward can run in a later slot (a backward window that found no
+room for 64 iterations runs anyway: it holds its activations, and a job must not be held
+forever). While the engine has no inference to run (no iteration for two SLOs), the worker
+takes slots of its own, budgeted at c = 0, back to back. Evaluation and checkpoints run
+outside slots, behind the inference-first gate of symbiont/jobs/priority.py.
 """
 
 from __future__ import annotations
@@ -42,18 +44,28 @@ from symbiont.train.loop import TrainResult, _Run
 FEATURES = (
     "base",  # per iteration
     "inference_token",
-    "forward_pass",  # once per slot with forward fine-tuning tokens
+    "forward_window",  # per window of the forward pass run in a slot
     "forward_token",
-    "backward_pass",
+    "backward_window",
     "backward_token",
 )
 MIN_TOKEN_COST_S = 1e-9  # a fitted per-token cost never drops to 0 (the budget stays finite)
+BACKWARD_HEADROOM = 0.8  # a forward window's backward is planned within this share of the SLO
+OUTLIER_SHARE = 0.1  # samples a refit leaves out: those the first fit explains worst
+MAX_DECLINES = 64  # iterations a backward window may wait for room before it runs anyway
 HANDOFF_TIMEOUT_S = 30.0  # the engine waits at most this long for a slot (a stuck worker)
 
 
 class CostModel:
     """f(c, s_forward, s_backward): seconds of one engine iteration with c inference tokens
-    and that many fine-tuning tokens, least squares over probes and recent iterations."""
+    and that many fine-tuning tokens, fitted by least squares over probes and recent
+    iterations.
+
+    The two parts are measured apart, as they run one after the other: the inference
+    part of an iteration (`add(c, 0, 0, seconds)`) and the fine-tuning slot after it with
+    its hand-off (`add(0, forward, backward, seconds)`); f is their sum. Fitting the parts
+    apart keeps the load and the slot sizes, which move together, from blurring each
+    other's costs."""
 
     def __init__(
         self, coefficients: Sequence[float] | None = None, window: int = 256, refit_every: int = 16
@@ -72,25 +84,51 @@ class CostModel:
         self._lock = threading.Lock()  # samples come from the engine and the worker
 
     @staticmethod
-    def features(c: int, forward: int = 0, backward: int = 0) -> list[float]:
-        return [1.0, c, float(forward > 0), forward, float(backward > 0), backward]
+    def features(
+        c: int, forward: int = 0, backward: int = 0, windows: tuple[int, int] | None = None
+    ) -> list[float]:
+        """windows: (forward, backward) windows the tokens came in (default: one each)."""
+        nf, nb = windows if windows is not None else (int(forward > 0), int(backward > 0))
+        return [1.0, c, nf, forward, nb, backward]
 
-    def predict(self, c: int, forward: int = 0, backward: int = 0) -> float:
-        x = self.features(c, forward, backward)
+    def predict(
+        self, c: int, forward: int = 0, backward: int = 0, windows: tuple[int, int] | None = None
+    ) -> float:
+        x = self.features(c, forward, backward, windows)
         return sum(w * v for w, v in zip(self.coefficients, x, strict=True))
 
-    def add(self, c: int, forward: int, backward: int, seconds: float, probe: bool = False):
+    def slot_cost(self, forward: int, backward: int, windows: tuple[int, int]) -> float:
+        """Seconds of a slot's fine-tuning part alone."""
+        return self.predict(0, forward, backward, windows) - self.coefficients[0]
+
+    def add(
+        self,
+        c: int,
+        forward: int,
+        backward: int,
+        seconds: float,
+        probe: bool = False,
+        windows: tuple[int, int] | None = None,
+    ) -> None:
+        """One measured part: an iteration's inference (forward = backward = 0), or a
+        fine-tuning slot (c = 0)."""
+        if c and (forward or backward):
+            raise ValueError("record an iteration's inference and its slot as two samples")
+        x = self.features(c, forward, backward, windows)
+        if forward or backward:
+            x[0] = 0.0  # a slot's cost has no per-iteration part
         with self._lock:
-            sample = (self.features(c, forward, backward), seconds)
-            (self.probes.append if probe else self.recent.append)(sample)
+            (self.probes.append if probe else self.recent.append)((x, seconds))
             self._since_fit += 1
             due = self.refit_every and self._since_fit >= self.refit_every
         if due:
             self.refit()
 
     def refit(self) -> None:
-        """Least squares over probes and recent iterations, coefficients kept >= 0: a
-        feature whose coefficient comes out negative is fixed at 0 and the rest refitted."""
+        """Least squares over probes and recent parts, coefficients kept >= 0 (a feature
+        whose coefficient comes out negative is fixed at 0 and the rest refitted), then once
+        more without the samples the first fit explains worst (a stall of the machine or
+        of the GIL is not a cost of the work)."""
         with self._lock:
             samples = self.probes + list(self.recent)
             self._since_fit = 0
@@ -98,59 +136,82 @@ class CostModel:
             return
         x = torch.tensor([s[0] for s in samples], dtype=torch.float64)  # [n, features]
         y = torch.tensor([s[1] for s in samples], dtype=torch.float64)  # [n]
-        active = [j for j in range(len(FEATURES)) if x[:, j].abs().sum() > 0]
-        while active:
-            solution = torch.linalg.lstsq(x[:, active], y.unsqueeze(1)).solution.squeeze(1)
-            negative = [j for j, w in zip(active, solution.tolist(), strict=True) if w < 0]
-            if not negative:
-                break
-            active = [j for j in active if j not in negative]
-        fitted = [0.0] * len(FEATURES)
-        for j, w in zip(active, solution.tolist() if active else [], strict=True):
-            fitted[j] = w
-        self.coefficients = fitted
+        fitted = _nonnegative_lstsq(x, y)
+        residual = (x @ fitted - y).abs()
+        keep = residual <= torch.quantile(residual, 1 - OUTLIER_SHARE)
+        if keep.sum() >= 2:
+            fitted = _nonnegative_lstsq(x[keep], y[keep])
+        self.coefficients = fitted.tolist()
+
+    def room(self, c: int, slo_s: float) -> float:
+        """Seconds left for fine-tuning in an iteration of c inference tokens."""
+        return slo_s - self.predict(c)
 
     def budget(self, c: int, slo_s: float, backward: bool, limit: int) -> int:
-        """The largest s in [0, limit] fine-tuning tokens (of the backward pass, or of the
-        forward) with f(c, s) <= slo_s."""
-        base, per_c, f_pass, f_token, b_pass, b_token = self.coefficients
-        fixed, per = (b_pass, b_token) if backward else (f_pass, f_token)
-        room = slo_s - base - per_c * c - fixed
-        if room <= 0:
+        """s*: the largest s in [0, limit] fine-tuning tokens, in one window of the backward
+        pass or of the forward, with f(c, s) <= slo_s."""
+        return self.window_tokens(self.room(c, slo_s), backward, limit)
+
+    def window_tokens(self, room_s: float, backward: bool, limit: int) -> int:
+        """The most tokens one window (of the backward pass, or the forward) runs in room_s."""
+        _, _, f_window, f_token, b_window, b_token = self.coefficients
+        fixed, per = (b_window, b_token) if backward else (f_window, f_token)
+        if room_s - fixed <= 0:
             return 0
-        s = min(limit, int(room / max(per, MIN_TOKEN_COST_S)))
-        cost = (lambda n: self.predict(c, 0, n)) if backward else (lambda n: self.predict(c, n))
-        while s > 0 and cost(s) > slo_s:  # rounding at the boundary
+        s = min(limit, int((room_s - fixed) / max(per, MIN_TOKEN_COST_S)))
+
+        def cost(n: int) -> float:
+            return self.slot_cost(0, n, (0, 1)) if backward else self.slot_cost(n, 0, (1, 0))
+
+        while s > 0 and cost(s) > room_s:  # rounding at the boundary
             s -= 1
         return max(s, 0)
 
     def forward_budget(self, c: int, slo_s: float, limit: int) -> int:
-        """Forward tokens whose forward and (later) backward each fit the SLO at load c."""
-        return min(self.budget(c, slo_s, False, limit), self.budget(c, slo_s, True, limit))
+        """Forward tokens whose forward fits the SLO at load c, and whose backward (later)
+        fits BACKWARD_HEADROOM of it, so a backward still fits when the load or the fitted
+        costs have moved a little meanwhile."""
+        backward = self.window_tokens(self.room(c, slo_s) * BACKWARD_HEADROOM, True, limit)
+        return min(self.budget(c, slo_s, False, limit), backward)
+
+
+def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """argmin |x w - y| with w >= 0 by dropping negative features; x [n, k], y [n] -> [k]."""
+    fitted = torch.zeros(x.shape[1], dtype=x.dtype)
+    active = [j for j in range(x.shape[1]) if x[:, j].abs().sum() > 0]
+    while active:
+        solution = torch.linalg.lstsq(x[:, active], y.unsqueeze(1)).solution.squeeze(1)
+        if (solution >= 0).all():
+            fitted[active] = solution
+            break
+        active = [j for j, w in zip(active, solution.tolist(), strict=True) if w >= 0]
+    return fitted
 
 
 @dataclass(frozen=True)
 class Slot:
-    """Fine-tuning work granted after one engine iteration (or while the engine idles)."""
+    """Fine-tuning time granted after one engine iteration (or while the engine idles)."""
 
     inference_tokens: int  # c of the iteration it follows (0 when the engine is idle)
-    forward_tokens: int  # budget of forward tokens (one window)
-    backward_tokens: int  # budget of backward tokens (whole windows)
+    room_s: float  # the SLO less the predicted inference part: f(c, s) <= SLO within it
     from_engine: bool
+    forced: bool = False  # its first window runs even if it does not fit (see MAX_DECLINES)
 
 
 @dataclass(frozen=True)
 class SlotRecord:
     slot: Slot
-    forward_tokens: int  # tokens actually run
+    forward_tokens: int  # tokens run, and the windows they came in
     backward_tokens: int
+    windows: tuple[int, int]  # (forward, backward)
+    predicted_s: float  # the fine-tuning part as the cost model priced it
     seconds: float
 
 
 @dataclass(frozen=True)
 class _Need:
     backward: bool
-    tokens: int  # smallest grant that lets the step progress
+    tokens: int  # the smallest window that lets the step progress
 
 
 class CoServe:
@@ -170,78 +231,123 @@ class CoServe:
         self.cost = cost or CostModel()
         # no iteration for this long (an inference iteration alone takes < slo_s): idle
         self.idle_s = 2 * slo_s if idle_s is None else idle_s
-        self.max_tokens = max_tokens  # most fine-tuning tokens in one slot
+        self.max_tokens = max_tokens  # most tokens in one window
         self.history: collections.deque[SlotRecord] = collections.deque(maxlen=10_000)
         self.in_slot = False  # the worker is running granted work (tests watch it)
+        self.declines = 0  # iterations in a row the waiting window found no room
         self._cond = threading.Condition()
         self._need: _Need | None = None  # what the waiting worker needs, if one waits
         self._granted: Slot | None = None
         self._slot_done = threading.Event()
-        self._used = (0, 0)
+        self._used: SlotRecord | None = None
         self._last_iteration = float("-inf")
 
     # -- the engine thread --------------------------------------------------------------
 
     def after_iteration(self, c: int, seconds: float) -> None:
         """Called by the engine after an iteration of c inference tokens that took
-        `seconds`: grant the waiting worker its budget and wait until it has run it."""
-        started = time.perf_counter()
+        `seconds`: grant the waiting worker its slot and wait until it has run it."""
+        self.cost.add(c, 0, 0, seconds)
         with self._cond:
             slot = self._slot_for(c, self._need) if self._need is not None else None
             if slot is None:
                 self._last_iteration = time.monotonic()
             else:
-                self._need, self._granted = None, slot
+                self._need, self._granted, self._used = None, slot, None
                 self._slot_done.clear()
                 self._cond.notify_all()
         if slot is None:
-            self.cost.add(c, 0, 0, seconds)
             return
+        started = time.perf_counter()
         self._slot_done.wait(HANDOFF_TIMEOUT_S)
-        forward, backward = self._used
-        self.cost.add(c, forward, backward, seconds + time.perf_counter() - started)
+        used = self._used
+        if used is not None and (used.forward_tokens or used.backward_tokens):
+            # the slot as the engine saw it, hand-off included
+            seconds = time.perf_counter() - started
+            self.cost.add(
+                0, used.forward_tokens, used.backward_tokens, seconds, windows=used.windows
+            )
         with self._cond:
             self._last_iteration = time.monotonic()
 
     def _slot_for(self, c: int, need: _Need, from_engine: bool = True) -> Slot | None:
-        limit = self.max_tokens
-        if need.backward:
-            budget = self.cost.budget(c, self.slo_s, True, limit)
-            slot = Slot(c, 0, budget, from_engine)
-        else:
-            budget = self.cost.forward_budget(c, self.slo_s, limit)
-            slot = Slot(c, budget, 0, from_engine)
-        if budget >= need.tokens:
-            return slot
-        if from_engine:
+        """The slot after an iteration of c tokens, if the waiting window fits in it."""
+        room = self.cost.room(c, self.slo_s)
+        if self._fits(need, room):
+            self.declines = 0
+            return Slot(c, room, from_engine)
+        if from_engine and (not need.backward or self.declines < MAX_DECLINES):
+            self.declines += 1
             return None  # no room after this iteration's inference: the job waits
-        # no inference to protect: the step progresses by at least one window
+        # no inference to protect, or a backward window (holding its activations) waited
+        # MAX_DECLINES iterations: the step progresses by one window
+        self.declines = 0
+        return Slot(c, room, from_engine, forced=True)
+
+    def _fits(self, need: _Need, room_s: float) -> bool:
         if need.backward:
-            return Slot(c, 0, need.tokens, False)
-        return Slot(c, need.tokens, 0, False)
+            return self.cost.window_tokens(room_s, True, self.max_tokens) >= need.tokens
+        return self._forward_tokens(room_s, room_s) >= need.tokens
+
+    def _forward_tokens(self, left_s: float, room_s: float) -> int:
+        """A forward window that fits left_s, whose backward fits BACKWARD_HEADROOM of a
+        whole slot's room at this load."""
+        backward = self.cost.window_tokens(room_s * BACKWARD_HEADROOM, True, self.max_tokens)
+        return min(self.cost.window_tokens(left_s, False, self.max_tokens), backward)
 
     # -- the worker thread --------------------------------------------------------------
 
     def run_step(self, step: WindowedStep, check: Callable[[], None] = lambda: None) -> None:
-        """Run a whole training step, window by window, each in a granted slot."""
+        """Run a whole training step, window by window, in granted slots."""
         while not step.done:
             slot = self._take_slot(self._need_of(step), check)
             started = time.perf_counter()
-            forward = backward = 0
+            spent = (0, 0, (0, 0))
             self.in_slot = True
             try:
-                forward, backward = _spend(step, slot)
+                spent = self._spend(step, slot)
             finally:
                 self.in_slot = False
-                seconds = time.perf_counter() - started
-                self.history.append(SlotRecord(slot, forward, backward, seconds))
+                forward, backward, windows = spent
+                record = SlotRecord(
+                    slot,
+                    forward,
+                    backward,
+                    windows,
+                    self.cost.slot_cost(forward, backward, windows),
+                    time.perf_counter() - started,
+                )
+                self.history.append(record)
                 if slot.from_engine:
-                    self._used = (forward, backward)
+                    self._used = record
                     with self._cond:  # the engine was busy until now: not idle
                         self._last_iteration = time.monotonic()
                     self._slot_done.set()
-                else:
-                    self.cost.add(0, forward, backward, seconds)
+                elif forward or backward:
+                    self.cost.add(0, forward, backward, record.seconds, windows=windows)
+
+    def _spend(self, step: WindowedStep, slot: Slot) -> tuple[int, int, tuple[int, int]]:
+        """Run windows while the cost model says the next one fits the slot's room: forward
+        windows, then (the batch forwarded) backward windows. Returns the tokens of each
+        pass and the windows they came in."""
+        left, forward, backward, nf, nb = slot.room_s, 0, 0, 0, 0
+        while not step.done:
+            # an idle or forced slot runs its first window even if it does not fit
+            may_overrun = nf + nb == 0 and (slot.forced or not slot.from_engine)
+            if not step.forward_done:
+                tokens = self._forward_tokens(left, slot.room_s)
+                if tokens < step.batch and not may_overrun:
+                    break
+                ran = step.forward(max(1, tokens // step.batch))
+                forward, nf = forward + ran, nf + 1
+                left -= self.cost.slot_cost(ran, 0, (1, 0))
+            else:
+                cost = self.cost.slot_cost(0, step.next_backward_tokens(), (0, 1))
+                if cost > left and not may_overrun:
+                    break
+                backward, nb = backward + step.backward(), nb + 1
+                left -= cost
+        return forward, backward, (nf, nb)
 
     @staticmethod
     def _need_of(step: WindowedStep) -> _Need:
@@ -264,16 +370,6 @@ class CoServe:
                 return slot
             finally:
                 self._need = None
-
-
-def _spend(step: WindowedStep, slot: Slot) -> tuple[int, int]:
-    """Run the slot's work: one forward window, or as many backward windows as fit."""
-    if not step.forward_done:
-        return step.forward(max(1, slot.forward_tokens // step.batch)), 0
-    backward = 0
-    while not step.done and backward + step.next_backward_tokens() <= slot.backward_tokens:
-        backward += step.backward()
-    return 0, backward
 
 
 # -- start-up profile -----------------------------------------------------------------------
