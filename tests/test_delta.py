@@ -128,8 +128,10 @@ def test_pack_unpack_is_exact(config, columns):
         "unpacked Δ̃ must equal the solver's bit for bit"
     )
     assert torch.equal(packed.kept(), solved.kept)
-    for dtype in (torch.float32, torch.bfloat16):  # the fast path serving runs per call
+    for dtype in (torch.float32, torch.bfloat16):  # the fast paths serving runs per call
         assert torch.equal(packed.dense(dtype), packed.dense_reference(dtype))
+        assert torch.equal(packed.serving().dense(dtype), packed.dense_reference(dtype))
+    assert packed.serving().nbytes() == packed.nbytes(), "serving holds the same bytes"
     # the stored size is what the format promises: bits per kept value plus the mask
     kept = columns // 2 if config.sparsity == "2:4" else columns
     assert packed.codes.numel() == 12 * -(-kept * config.bits // 8)

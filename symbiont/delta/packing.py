@@ -78,35 +78,34 @@ class PackedLayer:
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Δ̃ [out, in] (fp32 math, then cast): the stored values dequantised where they
         are, [out, k], then scattered to their columns: the same numbers as
-        `dense_reference`, bit for bit, several times faster (exact serving runs this at
-        every call)."""
+        `dense_reference`, bit for bit, several times faster (exact serving runs this, or
+        `ServingLayer.dense`, at every call)."""
         rows, columns = self.shape
         k = stored_per_row(columns, self.two_four)
-        values = self._stored_values(unpack_bits(self.codes, self.bits, k))  # [out, k]
+        stored = unpack_bits(self.codes, self.bits, k)  # [out, k]
+        values = stored_values(stored, self.scale, self.zero, self.group_size, self.shape)
         if not self.two_four:
             return values.to(dtype)
-        # the two kept columns of each group of 4 from its mask nibble (exactly two bits
-        # set, `validate`): the lowest and the highest set bit, by comparisons
-        n = unpack_bits(self.mask, 4, columns // 4)  # [out, in/4]
+        low, high = self.kept_pairs()
+        return scatter_pairs(low, high, values, dtype)
+
+    def kept_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two kept columns of each group of 4, from its mask nibble (exactly two bits
+        set, `validate`): the lowest and the highest set bit, by comparisons.
+        -> uint8 [out, in/4] each, in 0..3"""
+        n = unpack_bits(self.mask, 4, self.shape[1] // 4)  # [out, in/4]
         low = (n & 1 == 0).to(torch.uint8) + (n & 3 == 0) + (n & 7 == 0)
         high = (n >= 2).to(torch.uint8) + (n >= 4) + (n >= 8)
-        where = torch.stack([low, high], 2).long() + 4 * torch.arange(columns // 4)[:, None]
-        dense = torch.zeros(rows, columns, dtype=torch.float32)
-        return dense.scatter_(1, where.view(rows, k), values).to(dtype)
+        return low, high
 
-    def _stored_values(self, stored: torch.Tensor) -> torch.Tensor:
-        """codes [out, k] -> scale · (code - zero), fp32, each with its group's scale."""
-        rows, k = stored.shape
-        columns = self.shape[1]
-        groups = self.scale.shape[1]
-        scale, zero = self.scale.float(), self.zero.float()  # [out, groups]
-        if groups == 1 or (self.group_size and columns % self.group_size == 0):
-            # groups of equal size: broadcast instead of gathering a scale per value
-            grouped = stored.view(rows, groups, -1).float()
-            return (scale[:, :, None] * (grouped - zero[:, :, None])).view(rows, k)
-        first_column = torch.arange(k) // 2 * 4 if self.two_four else torch.arange(k)
-        group = first_column // self.group_size  # [k]: each stored value's group
-        return scale[:, group] * (stored.float() - zero[:, group])
+    def serving(self) -> PackedLayer | ServingLayer:
+        """This layer re-encoded once for decompression at every call (exact serving)."""
+        if not self.two_four:
+            return self
+        low, high = self.kept_pairs()
+        positions = pack_bits(low | (high << 2), 4)  # the mask's 4 bits per group, decoded
+        fields = dict(codes=self.codes, scale=self.scale, zero=self.zero)
+        return ServingLayer(self.name, self.shape, self.bits, self.group_size, positions, **fields)
 
     def dense_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`dense` the direct way (dense codes, boolean mask): what tests compare it to."""
@@ -157,6 +156,67 @@ class PackedLayer:
                 f"{4 * bad[1]}..{4 * bad[1] + 3} keep {int(per_group[bad[0], bad[1]])} of 4); "
                 "the file is corrupt or was not written by `symbiont delta compress`"
             )
+
+
+@dataclass(frozen=True)
+class ServingLayer:
+    """A 2:4 packed layer as exact serving holds it: the same codes, scales and zeros
+    (shared, not copied), and instead of the mask each group's two kept columns as 2-bit
+    positions (`low | high << 2`: the same 4 bits per group), so `dense` needs no bit
+    search. `dense` equals `PackedLayer.dense` bit for bit."""
+
+    name: str
+    shape: tuple[int, int]
+    bits: int
+    group_size: int
+    positions: torch.Tensor  # uint8 [out, ceil(in/8)]: two groups per byte
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def nbytes(self) -> int:
+        parts = (self.positions, self.codes, self.scale, self.zero)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        columns = self.shape[1]
+        stored = unpack_bits(self.codes, self.bits, columns // 2)  # [out, in/2]
+        values = stored_values(stored, self.scale, self.zero, self.group_size, self.shape)
+        p = unpack_bits(self.positions, 4, columns // 4)  # [out, in/4]
+        return scatter_pairs(p & 3, p >> 2, values, dtype)
+
+
+def stored_values(
+    stored: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """codes [out, k] -> scale · (code - zero), fp32, each with its group's scale and
+    zero (k = in with every column stored, in/2 with 2:4)."""
+    rows, k = stored.shape
+    columns, groups = shape[1], scale.shape[1]
+    scale, zero = scale.float(), zero.float()  # [out, groups]
+    if groups == 1 or (group_size and columns % group_size == 0):
+        # groups of equal size: broadcast instead of gathering a scale per value
+        grouped = stored.view(rows, groups, -1).float()
+        return (scale[:, :, None] * (grouped - zero[:, :, None])).view(rows, k)
+    first_column = torch.arange(k) // 2 * 4 if k != columns else torch.arange(k)
+    group = first_column // group_size  # [k]: each stored value's group
+    return scale[:, group] * (stored.float() - zero[:, group])
+
+
+def scatter_pairs(
+    low: torch.Tensor, high: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dense [out, in] from 2:4 stored values [out, in/2] (each group's two in column
+    order) and their columns within the group, low and high [out, in/4]."""
+    rows, groups = low.shape
+    where = torch.stack([low, high], 2).long()  # [out, in/4, 2]
+    dense = torch.zeros(rows, groups, 4, dtype=torch.float32)
+    dense.scatter_(2, where, values.view(rows, groups, 2))
+    return dense.view(rows, groups * 4).to(dtype)
 
 
 def stored_per_row(columns: int, two_four: bool) -> int:

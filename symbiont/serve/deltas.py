@@ -167,9 +167,10 @@ class DeltaServer:
                 dense = layer.dense(dtype)
                 layer_terms.setdefault(name, []).append(("weight", dense))
                 nbytes += dense.numel() * dense.element_size()
-            else:
-                layer_terms.setdefault(name, []).append(("product", layer))
-                nbytes += layer.nbytes()
+            else:  # the mask decoded once into kept positions: the same bytes
+                serving = layer.serving()
+                layer_terms.setdefault(name, []).append(("product", serving))
+                nbytes += serving.nbytes()
         modules: dict[str, dict[str, torch.Tensor]] = {}
         for name, param in delta.params.items():
             owner, _, leaf = name.rpartition(".")
