@@ -82,6 +82,15 @@ def raw_dealer(url):
     return sock
 
 
+def run_at_once(client, argument_tuples) -> None:
+    """client(*arguments) for each tuple, each on its own thread, all at once."""
+    threads = [threading.Thread(target=client, args=args) for args in argument_tuples]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def ask(sock, *frames):
     sock.send_multipart(list(frames))
     return decode(sock.recv_multipart()[0])
@@ -140,14 +149,7 @@ def test_concurrent_clients_batch_and_each_gets_its_own_rows(checkpoints, tmp_pa
                     if not torch.allclose(y, base.forward(layer, x), atol=1e-5, rtol=1e-5):
                         errors.append((seed, layer))
 
-        threads = [
-            threading.Thread(target=client, args=(seed, rows, mode))
-            for seed, rows, mode in [(1, 1, "zmq"), (2, 7, "zmq"), (3, 133, "shm"), (4, 3, "shm")]
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_at_once(client, [(1, 1, "zmq"), (2, 7, "zmq"), (3, 133, "shm"), (4, 3, "shm")])
         assert not errors, f"rows of another client or wrong results: {errors}"
         total = server.stats.snapshot([], {})["total"]
         assert total["mean_batch_calls"] > 1.2, "concurrent calls of one layer were not batched"
@@ -477,14 +479,7 @@ def test_batches_on_worker_threads_answer_each_client_and_fail_only_the_broken_l
                 except ExecutorError as err:
                     refusals.append(str(err))
 
-        threads = [
-            threading.Thread(target=client, args=(seed, rows, mode))
-            for seed, rows, mode in [(1, 1, "zmq"), (2, 7, "shm"), (3, 33, "shm"), (4, 3, "zmq")]
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_at_once(client, [(1, 1, "zmq"), (2, 7, "shm"), (3, 33, "shm"), (4, 3, "zmq")])
         assert not errors, f"rows of another client or wrong results: {errors}"
         assert len(refusals) == 4
         assert all(f"failed running layer {broken}: out of memory" in r for r in refusals)
