@@ -256,3 +256,40 @@ def test_virtual_tokens_count_against_the_context(setup, tmp_path):
         fits = Request(f"fits-{name}", [5] * (10 - virtual), name, params)
         engine.add_request(fits)  # exactly the context: accepted
         engine.abort(fits.request_id)
+
+
+def test_openai_client_reaches_every_method_in_an_adapter_dir(checkpoints, tmp_path):
+    """`symbiont serve --adapter-dir` over HTTP: folders of four methods through two slots,
+    each completion equal to vanilla peft's, each listed with its method."""
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from symbiont.serve.config import ServerConfig
+    from symbiont.serve.http.server import BackgroundServer
+    from tests.test_serve_common import add_char_tokenizer
+
+    model_dir = tmp_path / "tiny-llama"
+    shutil.copytree(checkpoints("llama"), model_dir)
+    add_char_tokenizer(model_dir)
+    methods = {k: v for k, v in method_configs().items() if k in ("dora", "lokr", "prefix")}
+    methods["prompt"] = peft.PromptTuningConfig(num_virtual_tokens=3)
+    adapters = _save_all(model_dir, tmp_path / "tenants", methods)
+    reference, tokenizer = Reference(model_dir, adapters), AutoTokenizer.from_pretrained(model_dir)
+    engine = dataclasses.replace(SMALL, max_adapters=2)
+    config = ServerConfig(
+        model=str(model_dir), port=0, engine=engine, adapter_dir=str(tmp_path / "tenants")
+    )
+    with BackgroundServer(config) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for name in [*adapters, *adapters]:
+            got = client.completions.create(model=name, prompt="hello", max_tokens=6, temperature=0)
+            ids = reference.generate(tokenizer("hello").input_ids, name, 6)
+            assert got.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True), name
+        cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/adapters").json()["data"]}
+    assert {n: cards[n]["method"] for n in adapters} == {
+        "dora": "dora",
+        "lokr": "lokr",
+        "prefix": "prefix_tuning",
+        "prompt": "prompt_tuning",
+    }
