@@ -286,6 +286,11 @@ def test_openai_client_reaches_every_method_in_an_adapter_dir(checkpoints, tmp_p
             got = client.completions.create(model=name, prompt="hello", max_tokens=6, temperature=0)
             ids = reference.generate(tokenizer("hello").input_ids, name, 6)
             assert got.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True), name
+        # a chat without max_tokens gets the context left after the prefix, not a 400
+        chat = client.chat.completions.create(
+            model="prefix", messages=[{"role": "user", "content": "hi"}], temperature=0
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
         cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/adapters").json()["data"]}
     assert {n: cards[n]["method"] for n in adapters} == {
         "dora": "dora",

@@ -205,7 +205,7 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        virtual = self._virtual_count(request.adapter)  # prompt/prefix tuning positions
+        virtual = self.virtual_count(request.adapter)  # prompt/prefix tuning positions
         total = len(prompt) + params.max_tokens + virtual
         if total > self.max_model_len:
             also = f" + the adapter's {virtual} virtual tokens" if virtual else ""
@@ -222,7 +222,7 @@ class Engine:
                 "max_tokens",
             )
 
-    def _virtual_count(self, name: str | None) -> int:
+    def virtual_count(self, name: str | None) -> int:
         """Positions a prompt-learning adapter puts before each prompt (0 for others).
         A folder adapter's count is read from its config (cheap; only for such methods)."""
         from symbiont.adapters.spec import read_adapter

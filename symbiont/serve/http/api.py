@@ -185,7 +185,9 @@ async def _serve(
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     requests = [
-        EngineRequest(f"{request_id}-{i}", prompt, adapter, _sampling(engine, body, prompt, chat))
+        EngineRequest(
+            f"{request_id}-{i}", prompt, adapter, _sampling(engine, body, prompt, chat, adapter)
+        )
         for i, prompt in enumerate(prompts)
     ]
     render = _render(engine, body, prompts, texts, chat)
@@ -231,10 +233,13 @@ async def _submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> lis
     return streams
 
 
-def _sampling(engine: AsyncEngine, body, prompt: list[int], chat: bool) -> SamplingParams:
+def _sampling(
+    engine: AsyncEngine, body, prompt: list[int], chat: bool, adapter: str | None
+) -> SamplingParams:
     max_tokens = body.token_limit() if chat else body.max_tokens
-    if max_tokens is None:  # chat default: whatever context is left
-        max_tokens = max(1, engine.engine.max_model_len - len(prompt))
+    if max_tokens is None:  # chat default: whatever context is left (virtual tokens too)
+        left = engine.engine.max_model_len - len(prompt) - engine.engine.virtual_count(adapter)
+        max_tokens = max(1, left)
     logprobs, prompt_logprobs = _logprob_counts(body, chat, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
