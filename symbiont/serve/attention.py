@@ -4,13 +4,21 @@ Registered with transformers' `AttentionInterface` as `symbiont_paged`, so the m
 own attention modules (projections, rotary embeddings, head layout) run unchanged and
 only the core `softmax(q kᵀ) v` is ours. The model is called with batch size 1 and all
 tokens of the iteration side by side; per-sequence boundaries come from the step
-context. Math follows transformers' eager attention: scores in the query dtype, softmax
-in float32.
+context's attention groups (`AttnGroup`): one for every decoding sequence together and
+one per prefill chunk.
+
+Per layer and group: the group's context is gathered from the pool a whole KV block at a
+time (one `index_select`; a chunk that starts its sequence needs no gather at all, its
+context is its own keys), then `scaled_dot_product_attention` runs with the additive mask
+the group built once for the step (grouped-query heads share K/V without copies,
+`enable_gqa`). Logit soft-capping (Gemma 2), which SDPA cannot express, takes the eager
+path: scores in the query dtype, softmax in float32, as transformers' eager attention.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from symbiont.serve.context import AttnGroup, current_context
@@ -38,48 +46,105 @@ def paged_attention(
         )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by the serving engine")
-    k_pool, v_pool = ctx.kv_cache.pools(module.layer_idx, key[0].transpose(0, 1))
-    k_pool.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))  # [n_tokens, kv_heads, hd]
-    v_pool.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
-    q = query[0].transpose(0, 1)  # [n_tokens, heads, head_dim]
-    out = torch.empty_like(q)
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [n_tokens, kv_heads, hd]
+    k_pool, v_pool = ctx.kv_cache.pools(module.layer_idx, new_k)
+    k_pool.index_copy_(0, ctx.slot_mapping, new_k)
+    v_pool.index_copy_(0, ctx.slot_mapping, new_v)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    for group in ctx.attn_groups:  # at most two: decoding sequences, prefill chunks
-        rows = _group_attention(group, q, k_pool, v_pool, scale, sliding_window, softcap)
-        out.index_copy_(0, group.q_tokens, rows)
+    q, k, v = query[0], key[0], value[0]  # [heads | kv_heads, n_tokens, hd]
+    block = ctx.kv_cache.block_size
+    groups = ctx.attn_groups
+    if len(groups) == 1 and groups[0].span == (0, q.shape[1]):  # the whole batch, in order
+        rows = _group_attention(
+            groups[0], q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap
+        )
+        return rows[None], None  # [1, n_tokens, heads, hd], no attention weights
+    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [n_tokens, heads, hd]
+    for group in groups:
+        rows = _group_attention(
+            group, q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap
+        )
+        if group.span is not None:
+            out[group.span[0] : group.span[1]] = rows
+        else:
+            out.index_copy_(0, group.tokens, rows)
     return out[None], None  # [1, n_tokens, heads, head_dim], no attention weights
 
 
 def _group_attention(
     group: AttnGroup,
-    q: torch.Tensor,  # [n_tokens, heads, hd]
+    q: torch.Tensor,  # [heads, n_tokens, hd]
+    k: torch.Tensor,  # [kv_heads, n_tokens, hd]: this iteration's keys
+    v: torch.Tensor,
     k_pool: torch.Tensor,  # [slots, kv_heads, hd]
     v_pool: torch.Tensor,
+    block: int,
     scale: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """-> [n_valid, heads, hd]: attention output of the group's real query rows.
+    """-> [n_seqs * n_queries, heads, hd]: the group's attention output, in its token order."""
+    heads, hd = q.shape[0], q.shape[2]
+    n, m = group.n_seqs, group.n_queries
+    qg = _rows(q, group).view(heads, n, m, hd).transpose(0, 1)  # [n, heads, m, hd]
+    if group.blocks is None:  # a first chunk: its context is exactly its own keys
+        kg = _rows(k, group).view(-1, n, m, hd).transpose(0, 1)  # [n, kv_heads, m, hd]
+        vg = _rows(v, group).view(-1, n, m, hd).transpose(0, 1)
+    else:
+        kg, vg = _gather(k_pool, group, block), _gather(v_pool, group, block)
+    if softcap is not None:
+        out = _eager(qg, kg, vg, group.mask(window, qg.dtype), scale, softcap)
+    elif group.blocks is None and window is None:  # causal over its own keys: no mask needed
+        out = F.scaled_dot_product_attention(
+            qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        mask = group.mask(window, qg.dtype)
+        out = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    return out.transpose(1, 2).reshape(n * m, heads, hd)  # [n, m, heads, hd] flattened
+
+
+def _rows(x: torch.Tensor, group: AttnGroup) -> torch.Tensor:
+    """[h, n_tokens, hd] -> [h, n_seqs * n_queries, hd]: the group's tokens (a view when
+    they are contiguous)."""
+    if group.span is not None:
+        return x[:, group.span[0] : group.span[1]]
+    return x.index_select(1, group.tokens)
+
+
+def _gather(pool: torch.Tensor, group: AttnGroup, block: int) -> torch.Tensor:
+    """[slots, kv_heads, hd] -> [n_seqs, kv_heads, n_blocks * block, hd]: each sequence's
+    context, copied a whole block (block x kv_heads x hd contiguous values) at a time."""
+    kv_heads, hd = pool.shape[1], pool.shape[2]
+    blocks = pool.view(-1, block, kv_heads, hd).index_select(0, group.blocks)
+    return blocks.view(group.n_seqs, -1, kv_heads, hd).transpose(1, 2)
+
+
+def _eager(
+    q: torch.Tensor,  # [n, heads, m, hd]
+    k: torch.Tensor,  # [n, kv_heads, L, hd]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [n, 1, m, L] additive
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """transformers' eager attention with logit soft-capping -> [n, heads, m, hd].
 
     Grouped-query attention without copying K/V per head: the query heads sharing a KV
     head are stacked along the query axis (head h uses KV head h // (heads / kv_heads),
     as transformers' `repeat_kv` does)."""
-    n_seqs, max_q = group.q_index.shape
-    heads, kv_heads, hd = q.shape[1], k_pool.shape[1], q.shape[2]
+    n, heads, m, hd = q.shape
+    kv_heads = k.shape[1]
     share = heads // kv_heads
-    qg = q[group.q_index].permute(0, 2, 1, 3)  # [n_seqs, heads, max_q, hd]
-    qg = qg.reshape(n_seqs, kv_heads, share * max_q, hd)
-    k = k_pool[group.kv_slots].transpose(1, 2)  # [n_seqs, kv_heads, max_kv, hd]
-    v = v_pool[group.kv_slots].transpose(1, 2)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [n_seqs, kv_heads, share*max_q, max_kv]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(n_seqs, kv_heads, share, max_q, -1)
-    scores = scores.masked_fill(~group.mask(window)[:, :, None], float("-inf"))
+    qs = q.reshape(n, kv_heads, share * m, hd)
+    scores = torch.matmul(qs, k.transpose(2, 3)) * scale  # [n, kv_heads, share * m, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(n, kv_heads, share, m, -1) + mask[:, :, None]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    rows = torch.matmul(probs.view(n_seqs, kv_heads, share * max_q, -1), v)
-    rows = rows.view(n_seqs, heads, max_q, hd).transpose(1, 2)  # [n_seqs, max_q, heads, hd]
-    return rows.reshape(n_seqs * max_q, heads, hd)[group.q_valid]
+    out = torch.matmul(probs.view(n, kv_heads, share * m, -1), v)
+    return out.view(n, heads, m, hd)
 
 
 def register_attention() -> str:

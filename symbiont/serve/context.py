@@ -20,33 +20,35 @@ from symbiont.serve.kv_cache import PagedKVCache
 
 @dataclass(frozen=True)
 class AttnGroup:
-    """Sequences whose queries are padded to one length for one batched attention.
-
-    Decoding sequences (1 query each) form one group and prefill chunks another, so
-    padding stays small while the number of attention calls per layer is constant.
+    """Sequences whose attention runs as one batched call: every decoding sequence (one
+    query each) together, or one prefill chunk. Nothing is padded on the query side, so
+    queries are read in place when the group's tokens are contiguous (`span`).
     """
 
-    q_index: torch.Tensor  # [n_seqs, max_q] flat token index of each query (padding -> 0)
-    q_valid: torch.Tensor  # [n_seqs * max_q] bool: which padded query rows are real
-    q_tokens: torch.Tensor  # [n_valid] flat token index of each real query, in padded order
-    kv_slots: torch.Tensor  # [n_seqs, max_kv] KV-cache slot of each context position (padding -> 0)
-    q_pos: torch.Tensor  # [n_seqs, max_q] absolute position of each query
+    n_seqs: int
+    n_queries: int  # queries per sequence: 1 when decoding, the chunk length otherwise
+    span: tuple[int, int] | None  # (first, stop) flat tokens of the group, when contiguous
+    tokens: torch.Tensor | None  # [n_seqs * n_queries] flat token of each query, else None
+    blocks: torch.Tensor | None  # [n_seqs * n_blocks] KV block of each context block
+    # (padding -> block 0); None when the group is one chunk starting its sequence, whose
+    # context is exactly its own keys
+    kv_width: int  # context positions attended over: n_blocks * block_size, or n_queries
+    q_pos: torch.Tensor  # [n_seqs, n_queries] absolute position of each query
     kv_len: torch.Tensor  # [n_seqs] context length after this iteration's tokens
-    masks: dict = field(
-        default_factory=dict
-    )  # sliding window (or None) -> [n_seqs, 1, max_q, max_kv]
+    masks: dict = field(default_factory=dict)  # (window, dtype) -> mask, built once per step
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """True where a query may attend: same sequence, not in the future, inside the window.
-        -> [n_seqs, 1, max_q, max_kv] bool"""
-        if window not in self.masks:
-            kv_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """0 where a query may attend (not in the future, inside the context and the
+        window), -inf elsewhere. -> [n_seqs, 1, n_queries, kv_width] additive, in `dtype`"""
+        if (window, dtype) not in self.masks:
+            kv_pos = torch.arange(self.kv_width, device=self.q_pos.device)
             allowed = kv_pos[None, None, :] <= self.q_pos[:, :, None]  # causal
             allowed &= kv_pos[None, None, :] < self.kv_len[:, None, None]
             if window is not None:
                 allowed &= kv_pos[None, None, :] > self.q_pos[:, :, None] - window
-            self.masks[window] = allowed[:, None]
-        return self.masks[window]
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[(window, dtype)] = mask.masked_fill_(~allowed, float("-inf"))[:, None]
+        return self.masks[(window, dtype)]
 
 
 @dataclass(frozen=True)

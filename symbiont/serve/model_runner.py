@@ -100,7 +100,7 @@ class ModelRunner:
         decode = [item for item in scheduled if item.n_tokens == 1]
         prefill = [item for item in scheduled if item.n_tokens > 1]
         offsets = _offsets(scheduled)
-        groups = tuple(self._attn_group(g, offsets) for g in (decode, prefill) if g)
+        groups = self._attn_groups(decode, prefill, offsets)
         keep = self._tensor(sample_rows + prompt_rows)
         ctx = StepContext(
             kv_cache=self.kv_cache,
@@ -119,38 +119,53 @@ class ModelRunner:
             batch, virtual_rows=self._tensor(virtual_rows), virtual_embeds=embeds
         )
 
-    def _attn_group(self, items: list[ScheduledSeq], offsets: dict[int, int]) -> AttnGroup:
-        max_q = max(item.n_tokens for item in items)
-        first = torch.tensor([offsets[id(item)] for item in items])  # [n_seqs]
-        start = torch.tensor([item.start for item in items])  # [n_seqs]
-        n = torch.tensor([item.n_tokens for item in items])  # [n_seqs]
-        step = torch.arange(max_q)  # [max_q]
-        q_valid = step[None, :] < n[:, None]  # [n_seqs, max_q]
-        q_index = (first[:, None] + step[None, :]) * q_valid
-        q_pos = (start[:, None] + step[None, :]) * q_valid
-        kv_len = start + n
-        kv_slots = self._kv_slots(items, int(kv_len.max()))
-        q_valid = q_valid.flatten()
-        return AttnGroup(
-            q_index=q_index.to(self.device),
-            q_valid=q_valid.to(self.device),
-            q_tokens=q_index.flatten()[q_valid].to(self.device),
-            kv_slots=kv_slots,
-            q_pos=q_pos.to(self.device),
-            kv_len=kv_len.to(self.device),
+    def _attn_groups(
+        self, decode: list[ScheduledSeq], prefill: list[ScheduledSeq], offsets: dict[int, int]
+    ) -> tuple[AttnGroup, ...]:
+        """One group for all decoding sequences, one per prefill chunk: no query padding,
+        and a chunk that starts its sequence attends over its own keys without a gather."""
+        groups = [self._attn_group(decode, 1, offsets)] if decode else []
+        return tuple(
+            groups + [self._attn_group([item], item.n_tokens, offsets) for item in prefill]
         )
 
-    def _kv_slots(self, items: list[ScheduledSeq], max_kv: int) -> torch.Tensor:
-        """-> [n_seqs, max_kv] cache slot of every context position (padding -> block 0)."""
-        size = self.kv_cache.block_size
+    def _attn_group(
+        self, items: list[ScheduledSeq], n_queries: int, offsets: dict[int, int]
+    ) -> AttnGroup:
+        """`items` all compute `n_queries` tokens this iteration."""
+        firsts = [offsets[id(item)] for item in items]
+        starts = [item.start for item in items]
+        first, n_tokens = firsts[0], len(items) * n_queries
+        contiguous = firsts == list(range(first, first + n_tokens, n_queries))
+        step = torch.arange(n_queries)  # [n_queries]
+        start = torch.tensor(starts)  # [n_seqs]
+        q_pos = start[:, None] + step[None, :]  # [n_seqs, n_queries]
+        fresh = len(items) == 1 and starts[0] == 0  # context = this chunk's own keys
+        blocks, n_blocks = (None, 0) if fresh else self._block_table(items, max(starts) + n_queries)
+        tokens = None
+        if not contiguous:
+            tokens = (torch.tensor(firsts)[:, None] + step[None, :]).flatten().to(self.device)
+        return AttnGroup(
+            n_seqs=len(items),
+            n_queries=n_queries,
+            span=(first, first + n_tokens) if contiguous else None,
+            tokens=tokens,
+            blocks=blocks,
+            kv_width=n_queries if fresh else n_blocks * self.kv_cache.block_size,
+            q_pos=q_pos.to(self.device),
+            kv_len=(start + n_queries).to(self.device),
+        )
+
+    def _block_table(self, items: list[ScheduledSeq], max_kv: int) -> tuple[torch.Tensor, int]:
+        """-> ([n_seqs * n_blocks] KV block of every context block, padding -> block 0;
+        n_blocks), enough blocks for `max_kv` positions."""
         n_blocks = self.kv_cache.blocks_for(max_kv)
-        table = torch.zeros(len(items), n_blocks, dtype=torch.long)
-        for row, item in enumerate(items):
+        table = []
+        for item in items:
             used = item.seq.blocks[:n_blocks]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        pos = torch.arange(max_kv)
-        slots = table[:, pos // size] * size + pos % size  # [n_seqs, max_kv]
-        return slots.to(self.device)
+            table += used
+            table += [0] * (n_blocks - len(used))
+        return self._tensor(table), n_blocks
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
