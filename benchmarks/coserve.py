@@ -4,8 +4,8 @@ job trains on the same base executor, four ways of sharing, on the default model
   coserve     symbiont/jobs/coserve.py: after each engine iteration the job runs the
               largest token window s* with f(c, s*) <= the TPOT target (cost model
               profiled at the job's start, refitted online)
-  static      a fixed time share: after every iteration the job runs a window sized for
-              `--static-share` of the target at no load, whatever the load
+  static      a fixed time share: after every iteration the job gets `--static-share` of
+              the target (windows sized by the cost model), whatever the load
   temporal    alternate: after every iteration the job runs a whole pass of its step (the
               batch's forward, or its backward), unbounded
   gate        today's behaviour without --slo-tpot-ms: the job trains whole steps freely,
@@ -57,29 +57,26 @@ from symbiont.serve.engine import Engine  # noqa: E402
 from symbiont.serve.sequence import Request  # noqa: E402
 
 MODES = ("coserve", "static", "temporal", "gate")
+UNBOUNDED_S = 1e9  # a slot no window exceeds
 
 
 class StaticSplit(CoServe):
-    """After every iteration, a window sized for a fixed share of the target at no load."""
+    """After every iteration, a fixed share of the target for the job, whatever the load."""
 
     def __init__(self, slo_s: float, cost: CostModel, share: float):
         super().__init__(slo_s, cost)
         self.share = share
 
     def _slot_for(self, c: int, need: _Need, from_engine: bool = True) -> Slot | None:
-        slo = self.slo_s * self.share
-        if need.backward:
-            budget = max(self.cost.budget(0, slo, True, self.max_tokens), need.tokens)
-            return Slot(c, 0, budget, from_engine)
-        budget = max(self.cost.forward_budget(0, slo, self.max_tokens), need.tokens)
-        return Slot(c, budget, 0, from_engine)
+        room = self.slo_s * self.share
+        return Slot(c, self.slo_s, room, from_engine, forced=True)
 
 
 class Temporal(CoServe):
     """After every iteration, a whole pass of the job's step (forward or backward)."""
 
     def _slot_for(self, c: int, need: _Need, from_engine: bool = True) -> Slot | None:
-        return Slot(c, 1 << 30, 1 << 30, from_engine)
+        return Slot(c, UNBOUNDED_S, UNBOUNDED_S, from_engine)
 
 
 class Stopped(Exception):
@@ -219,6 +216,7 @@ def phase(path, executor, job: Job | None, mode: str | None, rate: float, args, 
     if coserve is not None:
         out["engine_slots"] = sum(r.slot.from_engine for r in coserve.history)
         out["idle_slots"] = sum(not r.slot.from_engine for r in coserve.history)
+        out["margin"] = coserve.margin
     return out
 
 
@@ -226,11 +224,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 16.0])
     parser.add_argument("--seconds", type=float, default=8.0, help="per phase")
-    parser.add_argument("--slo-ms", type=float, default=50.0, help="TPOT target")
+    parser.add_argument("--slo-ms", type=float, default=100.0, help="TPOT target")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--ft-batch", type=int, default=4, help="fine-tuning micro-batch")
-    parser.add_argument("--ft-length", type=int, default=128, help="fine-tuning sequence")
+    parser.add_argument("--ft-length", type=int, default=64, help="fine-tuning sequence")
     parser.add_argument("--static-share", type=float, default=0.5, help="static: job's share")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

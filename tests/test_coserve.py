@@ -18,7 +18,14 @@ import torch
 from safetensors.torch import load_file
 
 from symbiont import BaseExecutor, load_client
-from symbiont.jobs.coserve import BACKWARD_HEADROOM, FEATURES, CoServe, CostModel, train_coserved
+from symbiont.jobs.coserve import (
+    BACKWARD_HEADROOM,
+    FEATURES,
+    CoServe,
+    CostModel,
+    _Need,
+    train_coserved,
+)
 from symbiont.jobs.priority import PriorityGate, TrainingExecutor, give_inference_priority
 from symbiont.jobs.windows import IGNORE_INDEX, WindowedStep
 from symbiont.protocol.executor import Executor
@@ -99,6 +106,22 @@ def test_bad_settings_are_refused():
         ServerConfig(model="m", engine=EngineConfig(slo_tpot_s=0.05))
 
 
+def test_cycles_slower_than_predicted_shrink_the_planned_iteration():
+    coserve = CoServe(SLO, fixed_costs())
+    need = _Need(backward=False, tokens=2)
+    assert coserve._slot_for(1, need).target_s == SLO  # nothing measured yet
+    for _ in range(20):  # cycles 1.25 times as long as predicted (the model cannot see why)
+        coserve._last_return = time.perf_counter() - 0.00125
+        coserve._note_cycle(0.001)
+    assert 1.25 <= coserve.margin <= 4.0
+    slot = coserve._slot_for(1, need)
+    assert slot.target_s == pytest.approx(SLO / coserve.margin)
+    assert slot.room_s == pytest.approx(coserve.cost.room(1, slot.target_s))
+    coserve._last_return = time.perf_counter() - 1.0
+    coserve._note_cycle(0.001)  # the engine waited for requests: not a prediction error
+    assert len(coserve._errors) <= 20
+
+
 # -- the hand-off ------------------------------------------------------------------------
 
 
@@ -167,7 +190,8 @@ def assert_slots_within_budget(coserve: CoServe) -> None:
     may run one window over it (nothing to protect, and the step must progress)."""
     for record in coserve.history:
         slot = record.slot
-        assert slot.room_s == pytest.approx(coserve.cost.room(slot.inference_tokens, SLO))
+        assert slot.target_s <= SLO  # the SLO over the measured prediction error
+        assert slot.room_s == pytest.approx(coserve.cost.room(slot.inference_tokens, slot.target_s))
         assert record.forward_tokens + record.backward_tokens > 0
         if slot.from_engine or sum(record.windows) > 1:
             assert record.predicted_s <= slot.room_s + 1e-12, record

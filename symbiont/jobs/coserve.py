@@ -2,27 +2,29 @@
 that inference keeps its time-per-output-token target (`symbiont serve --slo-tpot-ms`).
 
 Each engine iteration schedules inference first (c tokens). Then, if a fine-tuning job
-waits for work, the engine thread hands it a slot of s* fine-tuning tokens, the largest s
-with f(c, s) <= SLO, and waits until the worker has run them: one window of the job's
-token-level step (`symbiont.jobs.windows.WindowedStep`), forward or backward. Only the
-worker touches the job's model and only the engine thread touches the `Engine`, so the
-engine stays single-threaded (serve/engine.py); the HTTP event loop never waits on
-either. Every decode token of the iteration is delivered after its slot, so an
-iteration's time is the time per output token the clients see.
+waits for work, the engine thread grants it a slot, the SLO less the predicted inference
+part f(c, 0), and waits until the worker has used it: windows of the job's token-level
+step (`symbiont.jobs.windows.WindowedStep`), forward and then backward, as long as the cost
+model says the next window still fits, so f(c, s) <= SLO for the slot's s tokens (for one
+window: s* = max{s : f(c, s) <= SLO}). Only the worker touches the job's model and only
+the engine thread touches the `Engine`, so the engine stays single-threaded
+(serve/engine.py); the HTTP event loop never waits on either. Every token of the
+iteration is delivered after its slot, so an iteration's time is the time per output
+token the clients see.
 
 f is `CostModel`: iteration seconds, linear in c and in the forward and backward
-fine-tuning tokens, with a fixed cost per iteration and per pass (Python, the per-window
+fine-tuning tokens, with a fixed cost per iteration and per window (Python, the per-window
 key/value cache). It is profiled when a job starts, with a few timed probes on the job's
 own model (`profile`), and refitted by least squares every `refit_every` samples over the
 probes and the last `window` measured parts: each iteration's inference, and each slot
 as the engine waited for it (hand-off included).
 
-A forward window is cut no larger than the tokens whose backward also fits 80% of the SLO
+A forward window is cut no larger than the tokens whose backward fits 80% of a slot's room
 at the same load, so its backward can run in a later slot (a backward window that found no
 room for 64 iterations runs anyway: it holds its activations, and a job must not be held
 forever). While the engine has no inference to run (no iteration for two SLOs), the worker
-takes slots of its own, budgeted at c = 0, back to back. Evaluation and checkpoints run
-outside slots, behind the inference-first gate of symbiont/jobs/priority.py.
+takes slots of its own, sized at c = 0, back to back. Evaluation, the optimizer step and
+checkpoints run outside slots, behind the inference-first gate of symbiont/jobs/priority.py.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ FEATURES = (
 MIN_TOKEN_COST_S = 1e-9  # a fitted per-token cost never drops to 0 (the budget stays finite)
 BACKWARD_HEADROOM = 0.8  # a forward window's backward is planned within this share of the SLO
 OUTLIER_SHARE = 0.1  # samples a refit leaves out: those the first fit explains worst
+ERROR_WINDOW = 64  # engine cycles whose prediction error sets the margin
+MIN_ERRORS = 8  # cycles measured before the margin applies
+MAX_MARGIN = 4.0  # the SLO is never planned at less than a quarter of itself
 MAX_DECLINES = 64  # iterations a backward window may wait for room before it runs anyway
 HANDOFF_TIMEOUT_S = 30.0  # the engine waits at most this long for a slot (a stuck worker)
 
@@ -193,7 +198,8 @@ class Slot:
     """Fine-tuning time granted after one engine iteration (or while the engine idles)."""
 
     inference_tokens: int  # c of the iteration it follows (0 when the engine is idle)
-    room_s: float  # the SLO less the predicted inference part: f(c, s) <= SLO within it
+    target_s: float  # the iteration time planned for: the SLO over the prediction error
+    room_s: float  # target_s less the predicted inference part: f(c, s) <= target_s in it
     from_engine: bool
     forced: bool = False  # its first window runs even if it does not fit (see MAX_DECLINES)
 
@@ -241,6 +247,21 @@ class CoServe:
         self._slot_done = threading.Event()
         self._used: SlotRecord | None = None
         self._last_iteration = float("-inf")
+        # measured / predicted time of recent engine cycles (iteration, slot and what runs
+        # between iterations): the SLO is planned over their 90th percentile
+        self._errors: collections.deque[float] = collections.deque(maxlen=ERROR_WINDOW)
+        self._last_return: float | None = None
+
+    @property
+    def margin(self) -> float:
+        """How much longer recent cycles took than predicted (90th percentile, >= 1):
+        what the cost model misses (scheduling and delivery between iterations, a loaded
+        machine) comes out of the fine-tuning room, not out of the SLO."""
+        errors = list(self._errors)
+        if len(errors) < MIN_ERRORS:
+            return 1.0
+        errors.sort()
+        return min(max(1.0, errors[int(0.9 * (len(errors) - 1))]), MAX_MARGIN)
 
     # -- the engine thread --------------------------------------------------------------
 
@@ -256,33 +277,46 @@ class CoServe:
                 self._need, self._granted, self._used = None, slot, None
                 self._slot_done.clear()
                 self._cond.notify_all()
-        if slot is None:
+        predicted = self.cost.predict(c)
+        if slot is not None:
+            started = time.perf_counter()
+            self._slot_done.wait(HANDOFF_TIMEOUT_S)
+            used = self._used
+            if used is not None and (used.forward_tokens or used.backward_tokens):
+                # the slot as the engine saw it, hand-off included
+                seconds = time.perf_counter() - started
+                self.cost.add(
+                    0, used.forward_tokens, used.backward_tokens, seconds, windows=used.windows
+                )
+                predicted += used.predicted_s
+            with self._cond:
+                self._last_iteration = time.monotonic()
+        self._note_cycle(predicted)
+
+    def _note_cycle(self, predicted: float) -> None:
+        """The time since the last iteration's hook returned against its prediction."""
+        now = time.perf_counter()
+        last, self._last_return = self._last_return, now
+        if last is None or predicted <= 0:
             return
-        started = time.perf_counter()
-        self._slot_done.wait(HANDOFF_TIMEOUT_S)
-        used = self._used
-        if used is not None and (used.forward_tokens or used.backward_tokens):
-            # the slot as the engine saw it, hand-off included
-            seconds = time.perf_counter() - started
-            self.cost.add(
-                0, used.forward_tokens, used.backward_tokens, seconds, windows=used.windows
-            )
-        with self._cond:
-            self._last_iteration = time.monotonic()
+        error = (now - last) / predicted
+        if error <= MAX_MARGIN:  # longer: the engine waited for requests in between
+            self._errors.append(error)
 
     def _slot_for(self, c: int, need: _Need, from_engine: bool = True) -> Slot | None:
         """The slot after an iteration of c tokens, if the waiting window fits in it."""
-        room = self.cost.room(c, self.slo_s)
+        target = self.slo_s / self.margin if from_engine else self.slo_s
+        room = self.cost.room(c, target)
         if self._fits(need, room):
             self.declines = 0
-            return Slot(c, room, from_engine)
+            return Slot(c, target, room, from_engine)
         if from_engine and (not need.backward or self.declines < MAX_DECLINES):
             self.declines += 1
             return None  # no room after this iteration's inference: the job waits
         # no inference to protect, or a backward window (holding its activations) waited
         # MAX_DECLINES iterations: the step progresses by one window
         self.declines = 0
-        return Slot(c, room, from_engine, forced=True)
+        return Slot(c, target, room, from_engine, forced=True)
 
     def _fits(self, need: _Need, room_s: float) -> bool:
         if need.backward:

@@ -17,9 +17,10 @@ fine-tuning call already running, never for a stream of them). A worker that rea
 `serve-base` over its own connection needs none of this: the gate is then `shared=False`.
 
 That is the cheap part of FlexLLM's co-serving: inference goes first whenever both wait,
-at the grain of one base-layer call (the token-level scheduler with a cost model is not
-built; see docs/jobs.md). The counter is read without the lock on the fast path, so a
-fine-tuning call pays no wait while the server is idle.
+at the grain of one base-layer call. With `--slo-tpot-ms` the token-level scheduler of
+symbiont/jobs/coserve.py decides when fine-tuning runs; the gate still covers what runs
+outside its slots (evaluation, checkpoints). The counter is read without the lock on the
+fast path, so a fine-tuning call pays no wait while the server is idle.
 """
 
 from __future__ import annotations
