@@ -380,7 +380,7 @@ def report(rows: list[dict[str, Outcome]]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command")
     w = sub.add_parser("worker")
     for flag in ("--mode", "--model", "--executor", "--ready", "--go", "--result"):
