@@ -120,6 +120,15 @@ def test_parse_delta_mode_suffix():
     assert parse_delta("a=runs/d:other") == ("a", "runs/d:other"), "not a mode: part of DIR"
     with pytest.raises(ValueError, match="NAME=DIR"):
         parse_delta("runs/d")
+    from symbiont.cli import build_parser
+    from symbiont.cli.serve import configs
+
+    argv = ["serve", "--model", "m", "--delta", "a=d1:merged", "--delta", "b=d2"]
+    argv += ["--max-deltas", "3", "--delta-mode", "merged", "--max-skips", "0"]
+    config = configs(build_parser("serve").parse_args(argv))
+    assert config.deltas == (("a", "d1", "merged"), ("b", "d2"))
+    engine = config.engine
+    assert (engine.max_deltas, engine.delta_mode, engine.max_skips) == (3, "merged", 0)
 
 
 @pytest.mark.parametrize("hot", [False, True], ids=["exact", "merged"])
