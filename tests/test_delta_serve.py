@@ -370,3 +370,12 @@ def test_unbounded_skipping_starves_the_waiting_request(served, delta_dir_folder
     """Why the bound: with no limit the flood keeps the resident delta busy forever."""
     lone, skipped = _flood(served[0], delta_dir_folder, max_skips=10**6, steps=60)
     assert lone.sequences[0].admitted_at is None and len(skipped) > 20
+
+
+def test_engine_config_refuses_bad_delta_limits():
+    with pytest.raises(ValueError, match="max_deltas must be >= 1"):
+        EngineConfig(max_deltas=0)
+    with pytest.raises(ValueError, match="max_skips must be >= 0"):
+        EngineConfig(max_skips=-1)
+    with pytest.raises(ValueError, match="hot"):
+        EngineConfig(delta_mode="hot")
