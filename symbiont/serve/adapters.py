@@ -130,9 +130,9 @@ class AdapterLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()
-        if ctx is None:
-            return self.base(x)
-        batch = ctx.adapters
+        batch = None if ctx is None else ctx.adapters
+        if batch is None or not (batch.lora or batch.has_ia3 or batch.has_dora or self.deltas):
+            return self.base(x)  # fast path: no adapter math for this layer this iteration
         flat = x.reshape(-1, self.in_features)  # [n_tokens, in]
         assert flat.shape[0] == batch.token_slots.shape[0], "adapter layer saw a partial batch"
         h = (
