@@ -255,6 +255,21 @@ def test_other_tenants_see_nothing(server, alice, bob, model_dir):
     assert err.message.endswith(f"no file with id '{mine.id}'")
 
 
+@pytest.mark.parametrize("method", ["dora", "loha", "lokr", "vera"])
+def test_every_job_method_trains_and_serves_as_vanilla_peft(server, alice, model_dir, method):
+    """Jobs train each weight method the engine batches; the result serves as peft loads it."""
+    mine = upload(alice, chats(2))
+    peft = {"method": method, "r": 4, "target_modules": ["q_proj", "v_proj"]}
+    job = wait_for(alice, create(alice, mine.id, peft=peft, suffix=method).id)
+    assert job.status == "succeeded", job.error
+    config = json.loads((run_dir(server, job.id) / "adapter_config.json").read_text())
+    assert (config["peft_type"], config.get("use_dora", False)) == (
+        ("LORA", True) if method == "dora" else (method.upper(), False)
+    )
+    want = reference_text(model_dir, {"ft": run_dir(server, job.id)}, "ft", "hi 2")
+    assert greedy(alice, job.fine_tuned_model, "hi 2") == want
+
+
 def test_keys_and_rate_limits(server):
     for key in (None, "wrong"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -374,7 +389,7 @@ def test_bad_job_requests_name_the_field(alice):
             {"extra_body": {"peft": {"method": "prefix"}}},
             400,
             "peft.method",
-            "server batches only lora, ia3",
+            "is not trained by jobs, which train lora, dora, ia3, loha, lokr, vera",
         ),
         (
             {"extra_body": {"peft": {"r": 128}}},

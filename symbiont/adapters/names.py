@@ -9,6 +9,10 @@ PICKLED_WEIGHTS_FILE = "adapter_model.bin"  # refused, never unpickled
 
 # The methods `symbiont finetune --method` builds from flags.
 METHODS = ("lora", "dora", "ia3", "loha", "lokr", "vera", "adalora", "prefix", "prompt")
+# The methods a fine-tuning job of `serve --jobs-dir` trains: weight methods, which the
+# engine batches and the windowed job step can cut anywhere. AdaLoRA needs its rank
+# budget schedule, and prompt learning adds positions the windowed step does not have.
+JOB_METHODS = ("lora", "dora", "ia3", "loha", "lokr", "vera")
 
 # Config settings whose method reads or rewrites the frozen base weight, which a split
 # client never holds: (config field, predicate on its value, the feature to name).

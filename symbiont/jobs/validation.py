@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from symbiont.adapters.flags import AdapterFlags
-from symbiont.adapters.names import METHODS
+from symbiont.adapters.names import JOB_METHODS, METHODS
 
 FILE_PURPOSE = "fine-tune"
-SERVED_METHODS = ("lora", "ia3")  # what the serving engine batches (serve/adapters.py)
 BASE_LEARNING_RATE = 2e-4  # times learning_rate_multiplier
 MAX_EPOCHS = 50
 MAX_BATCH_SIZE = 256
@@ -294,13 +293,13 @@ def _peft(value) -> dict:
             f"peft.{unknown[0]}",
         )
     method = value.get("method", "lora")
-    if method not in SERVED_METHODS:
+    if method not in JOB_METHODS:
         known = method in METHODS
         raise invalid(
             f"peft.method: {method!r} "
-            + ("trains, but the server batches only " if known else "is not one of ")
-            + f"{', '.join(SERVED_METHODS)}; use one of those (or `symbiont finetune` for "
-            "other PEFT methods)",
+            + ("is not trained by jobs, which train " if known else "is not one of ")
+            + f"{', '.join(JOB_METHODS)}; use one of those (or train it with `symbiont "
+            "finetune` and serve the folder with --adapter-dir)",
             "peft.method",
         )
     r = value.get("r", 8)
