@@ -251,7 +251,7 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
 
 
 def _policy_flags(args) -> list[str]:
-    flags = [] if args.executor_workers is None else ["--workers", str(args.executor_workers)]
+    flags = ["--workers", str(args.executor_workers)]
     if args.spin_us is not None:
         flags += ["--spin-us", str(args.spin_us)]
     if args.max_wait_ms is not None:
@@ -409,14 +409,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--executor-threads",
         type=int,
-        default=None,
-        help="torch threads of the serve-base process (default: serve-base's own default)",
+        default=1,
+        help="torch threads per serve-base worker (default 1, like each job)",
     )
     parser.add_argument(
         "--executor-workers",
         type=int,
-        default=None,
-        help="serve-base --workers: batches computed at once on threads of their own",
+        default=len(os.sched_getaffinity(0)),
+        help="serve-base --workers: batches computed at once, each on a thread of its own "
+        "(default: one per core; 1 is serve-base's default)",
     )
     parser.add_argument(
         "--spin-us",
