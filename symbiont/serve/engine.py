@@ -77,8 +77,9 @@ class Engine:
         self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, device)
         self.adapters = AdapterRegistry(model, self.config)
         self.runner = ModelRunner(model, self.kv_cache, self.adapters)
-        self.scheduler = make_scheduler(self.config, self.kv_cache, self.max_model_len)
-        self.scheduler.virtual_tokens = self.adapters.virtual_tokens  # prompt/prefix tuning
+        self.scheduler = make_scheduler(
+            self.config, self.kv_cache, self.max_model_len, self.adapters.virtual_tokens
+        )
         eos = eos_token_ids(model, tokenizer)
         self.output = OutputProcessor(eos, self.max_model_len, observer or EngineObserver())
         self.requests: dict[str, Request] = {}
@@ -422,15 +423,18 @@ class Engine:
         return [r.sequences[0].output_ids for r in requests]
 
 
-def make_scheduler(config: EngineConfig, kv_cache: PagedKVCache, max_model_len: int) -> Scheduler:
-    """The scheduler `config.scheduler` names."""
+def make_scheduler(
+    config: EngineConfig, kv_cache: PagedKVCache, max_model_len: int, virtual_tokens=None
+) -> Scheduler:
+    """The scheduler `config.scheduler` names; `virtual_tokens(slot)` gives the positions a
+    prompt-learning adapter adds (prompt, P- and prefix tuning)."""
     from symbiont.serve.config import SchedulerPolicy
 
     if config.scheduler is SchedulerPolicy.MLQ:
         from symbiont.serve.mlq import MLQScheduler
 
-        return MLQScheduler(config, kv_cache, max_model_len)
-    return Scheduler(config, kv_cache, max_model_len)
+        return MLQScheduler(config, kv_cache, max_model_len, virtual_tokens=virtual_tokens)
+    return Scheduler(config, kv_cache, max_model_len, virtual_tokens=virtual_tokens)
 
 
 def _sampled_logprobs(

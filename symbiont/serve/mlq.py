@@ -163,8 +163,9 @@ class MLQScheduler(Scheduler):
         cache=None,
         predictor: OutputPredictor | None = None,
         weights: WRSWeights = WRSWeights(),
+        virtual_tokens=None,
     ):
-        super().__init__(config, kv_cache, max_model_len, cache)
+        super().__init__(config, kv_cache, max_model_len, cache, virtual_tokens)
         self.predictor = predictor or RunningMeanPredictor()
         self.weights = weights
         self.capacity = kv_cache.num_slots  # tokens of KV: what quotas divide

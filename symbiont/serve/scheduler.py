@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -83,11 +84,14 @@ class Scheduler:
         kv_cache: PagedKVCache,
         max_model_len: int,
         cache: AdapterCache | None = None,
+        virtual_tokens: Callable[[int], VirtualTokens | None] | None = None,
     ):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.cache = cache  # adapters of --adapter-dir, placed in slots at admission
+        # slot -> the prompt-learning positions of its adapter (the registry's answer)
+        self.virtual_tokens = virtual_tokens or _no_virtual_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_blocked = False  # this iteration, a folder adapter found no slot
@@ -185,12 +189,6 @@ class Scheduler:
     def reserved_len(self, seq: Sequence) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len) + seq.num_virtual
 
-    @staticmethod
-    def virtual_tokens(slot: int) -> VirtualTokens | None:
-        """The prompt-learning positions of the adapter in `slot`; the engine sets this to
-        its registry's `virtual_tokens`."""
-        return None
-
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence and free its KV blocks."""
         if seq in self.running:
@@ -211,3 +209,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _no_virtual_tokens(slot: int) -> None:
+    """No adapter adds positions (a scheduler without an adapter registry)."""
+    return None
