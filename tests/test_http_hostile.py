@@ -313,6 +313,14 @@ def test_paths_outside_the_adapter_folder_are_403_with_one_message(server, adapt
     assert "x" not in names
 
 
+@pytest.mark.parametrize("path", ["ok\x00", "\x00/etc", "/etc/passwd\x00.json"])
+def test_a_nul_in_an_adapter_path_is_400(server, path):
+    """Found by the schema fuzzer: realpath raised on the NUL, which answered 500."""
+    error = _assert_error(_post(server, "/v1/adapters", {"name": "x", "path": path}), 400, "path")
+    assert "NUL" in error["message"]
+    assert httpx.get(f"{server.url}/v1/models").status_code == 200
+
+
 def test_without_an_adapter_folder_loads_by_path_are_403(model_dir, adapter_root):
     config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE)
     with BackgroundServer(config) as plain:

@@ -869,6 +869,14 @@ def _adapter_path(root: str | None, given: str) -> str:
             "path",
             "adapter_dir_not_set",
         )
+    if "\x00" in given:  # no file system path holds one; realpath would raise
+        raise APIError(
+            400,
+            "path: contains a NUL character; pass the adapter folder's path, absolute or "
+            "relative to the server's adapter folder",
+            "invalid_request_error",
+            "path",
+        )
     real_root = os.path.realpath(root)
     resolved = os.path.realpath(os.path.join(real_root, given))  # absolute `given` wins
     if os.path.commonpath([real_root, resolved]) != real_root or resolved == real_root:
