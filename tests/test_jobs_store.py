@@ -178,9 +178,13 @@ def test_good_training_file():
         (
             {"peft": {"method": "prefix"}},
             "peft.method",
-            "'prefix' trains, but the server batches only lora, ia3",
+            "'prefix' is not trained by jobs, which train lora, dora, ia3, loha, lokr, vera",
         ),
-        ({"peft": {"method": "magic"}}, "peft.method", "'magic' is not one of lora, ia3"),
+        (
+            {"peft": {"method": "magic"}},
+            "peft.method",
+            "'magic' is not one of lora, dora, ia3, loha, lokr, vera",
+        ),
         ({"peft": {"r": 0}}, "peft.r", "peft.r: must be an integer in [1, 256]"),
         ({"peft": {"dropout": 1.5}}, "peft.dropout", "[0, 1)"),
         ({"peft": {"rank": 4}}, "peft.rank", "unknown"),
