@@ -438,6 +438,10 @@ class _View:
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all streams as they come."""
+    if len(streams) == 1:  # the common request: no pump task and second queue per token
+        async for output in streams[0]:
+            yield 0, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
