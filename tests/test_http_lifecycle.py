@@ -66,13 +66,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, patch: str, log: Path):
+def serve(model_dir: Path, patch: str, log: Path, extra: tuple[str, ...] = ()):
     """`symbiont serve` in a child process with a patched engine; yields (process, url)."""
     port = _free_port()
     argv = [
         sys.executable, "-c", CHILD.format(patch=patch), "serve", "--model", str(model_dir),
         "--port", str(port), "--max-running", "4", "--max-batched-tokens", "32",
-        "--block-size", "4", "--num-blocks", "128",
+        "--block-size", "4", "--num-blocks", "128", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with open(log, "wb") as out:
@@ -110,6 +110,24 @@ def _in_background(fn) -> dict:
 
     threading.Thread(target=run, daemon=True).start()
     return done
+
+
+def test_threads_flag_sets_the_engine_threads_torch_count(model_dir, tmp_path):
+    # OMP_NUM_THREADS=1 in the child's environment; --threads 2 must win on the engine thread
+    check = "assert __import__('torch').get_num_threads() == 2, 'threads not applied'"
+    with serve(model_dir, check, tmp_path / "serve.log", ("--threads", "2")) as (_, url):
+        body = {**LONG, "max_tokens": 3}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_threads_flag_refuses_zero(model_dir):
+    argv = [sys.executable, "-m", "symbiont", "serve", "--model", str(model_dir), "--threads", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    assert "--threads must be >= 1, got 0" in done.stderr
 
 
 def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_path):

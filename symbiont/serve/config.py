@@ -320,6 +320,13 @@ class ServerConfig:
         metadata={"help": "float32, bfloat16, float16 (default: the checkpoint's)"},
     )
     device: str = field(default="cpu", metadata={"help": "where the model runs (cpu, cuda)"})
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch threads for the engine's math (default: torch's choice, one per "
+            "core); 1 is steadiest when other processes share the cores (docs/serving.md)"
+        },
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -330,6 +337,8 @@ class ServerConfig:
             raise ValueError(
                 f"an adapter may not be named like the base model ({self.model_name!r})"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.max_request_bytes < 1:
             raise ValueError(
                 f"max_request_bytes must be >= 1, got {self.max_request_bytes}; the default "

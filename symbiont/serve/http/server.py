@@ -101,6 +101,10 @@ class BackgroundServer:
 
 def run(config: ServerConfig) -> int:
     """Serve until interrupted (the `symbiont serve` command)."""
+    if config.threads is not None:  # the whole process's setting: never in tests' threads
+        import torch
+
+        torch.set_num_threads(config.threads)
     state = server_state(config)
     server = uvicorn.Server(_uvicorn_config(config, state))
 
