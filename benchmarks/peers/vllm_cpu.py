@@ -370,12 +370,19 @@ def plot(rows: list[dict], path: Path) -> bool:
 # --------------------------------------------------------------------------- checkpoint
 
 
-def small_checkpoint(folder: Path, seed: int) -> Path:
-    """A 4-layer Llama with head_dim 64 (hidden 256, 4 heads, 2 KV heads, MLP 688) and the
-    default model's tokenizer and vocabulary, random weights, built once into `folder`.
+# Llamas with head_dim 64 on the default model's tokenizer and vocabulary, random weights:
+# name -> (hidden, MLP, layers, heads, KV heads). The default model's head_dim is 16, which
+# vLLM's CPU attention kernels reject ("Unsupported CPU attention configuration:
+# head_dim=16"); they take 32 and up.
+SIZES = {
+    "small": (256, 688, 4, 4, 2),  # 4.0M parameters
+    "100m": (768, 2048, 15, 12, 4),  # 97.5M parameters (the issue's ~100M model)
+    "500m": (1280, 3584, 28, 20, 4),  # 0.50B parameters (a Qwen2-0.5B-sized model)
+}
 
-    The default model's head_dim is 16, which vLLM's CPU attention kernels reject
-    ("Unsupported CPU attention configuration: head_dim=16"); they take 32 and up."""
+
+def sized_checkpoint(folder: Path, size: str, seed: int) -> Path:
+    """A Llama of `SIZES[size]` built once into `folder`."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -383,15 +390,16 @@ def small_checkpoint(folder: Path, seed: int) -> Path:
 
     if (folder / "config.json").exists():
         return folder
+    hidden, mlp, layers, heads, kv_heads = SIZES[size]
     default = symbiont.default_model()
     tokenizer = AutoTokenizer.from_pretrained(default)
     config = LlamaConfig(
         vocab_size=AutoConfig_vocab(default),
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -453,8 +461,8 @@ def main(argv=None) -> int:
         "--model",
         default="small",
         help="checkpoint folder; 'default' (the embedded default model: head_dim 16, which "
-        "vLLM's CPU attention rejects) or 'small' (a head_dim-64 Llama on the default "
-        "tokenizer, 4.0M parameters, built into --out)",
+        "vLLM's CPU attention rejects), or a head_dim-64 Llama on the default tokenizer built "
+        "into --out: 'small' (4.0M parameters), '100m' (97.5M) or '500m' (0.50B)",
     )
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peer's own venv")
     p.add_argument("--install-timeout", type=float, default=1800, help="seconds for pip")
@@ -509,8 +517,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model == "default":
         model = str(symbiont.default_model())
-    elif args.model == "small":
-        model = str(small_checkpoint(args.out / "small-llama", args.seed))
+    elif args.model in SIZES:
+        folder = "small-llama" if args.model == "small" else f"llama-{args.model}"
+        model = str(sized_checkpoint(args.out / folder, args.model, args.seed))
     else:
         model = args.model
     vocab = AutoConfig.from_pretrained(model).vocab_size
