@@ -4,15 +4,23 @@ Registered with transformers' `AttentionInterface` as `symbiont_paged`, so the m
 own attention modules (projections, rotary embeddings, head layout) run unchanged and
 only the core `softmax(q kᵀ) v` is ours. The model is called with batch size 1 and all
 tokens of the iteration side by side; per-sequence boundaries come from the step
-context's attention groups (`AttnGroup`): one for every decoding sequence together and
-one per prefill chunk.
+context's attention groups (`AttnGroup`): the decoding sequences (split in two, below)
+and one per prefill chunk.
 
-Per layer and group: the group's context is gathered from the pool a whole KV block at a
-time (one `index_select`; a chunk that starts its sequence needs no gather at all, its
-context is its own keys), then `scaled_dot_product_attention` runs with the additive mask
-the group built once for the step (grouped-query heads share K/V without copies,
-`enable_gqa`). Logit soft-capping (Gemma 2), which SDPA cannot express, takes the eager
-path: scores in the query dtype, softmax in float32, as transformers' eager attention.
+Per layer and group, one `scaled_dot_product_attention` call with the additive mask the
+group built once for the step. Where the context comes from:
+- decoding sequences whose blocks are aligned contiguous runs (the allocator's first
+  choice, kv_cache.py): read in place, as rows of one strided view of the head-major pool
+  `[rows, kv_heads, kv_width, head_dim]`; their queries are scattered into the view's
+  rows and rows that are no sequence are dropped after (`PoolRows`). No per-layer copy.
+- other decoding sequences (scattered blocks of a fragmented pool) and continued prefill
+  chunks: gathered from the pool a whole KV block at a time (one `index_select`);
+- a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
+Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
+the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
+once, not once per query head; chunks use SDPA's `enable_gqa`. Logit soft-capping
+(Gemma 2), which SDPA cannot express, takes the eager path: scores in the query dtype,
+softmax in float32, as transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from symbiont.serve.context import AttnGroup, current_context
+from symbiont.serve.context import AttnGroup, PoolRows, current_context
 
 ATTN_IMPLEMENTATION = "symbiont_paged"
 
@@ -46,10 +54,10 @@ def paged_attention(
         )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by the serving engine")
-    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [n_tokens, kv_heads, hd]
-    k_pool, v_pool = ctx.kv_cache.pools(module.layer_idx, new_k)
-    k_pool.index_copy_(0, ctx.slot_mapping, new_k)
-    v_pool.index_copy_(0, ctx.slot_mapping, new_v)
+    like = key[0].transpose(0, 1)  # [n_tokens, kv_heads, hd]
+    k_pool, v_pool = ctx.kv_cache.head_major(module.layer_idx, like)  # [kv_heads, slots, hd]
+    k_pool.index_copy_(1, ctx.slot_mapping, key[0])
+    v_pool.index_copy_(1, ctx.slot_mapping, value[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query[0], key[0], value[0]  # [heads | kv_heads, n_tokens, hd]
     block = ctx.kv_cache.block_size
@@ -76,7 +84,7 @@ def _group_attention(
     q: torch.Tensor,  # [heads, n_tokens, hd]
     k: torch.Tensor,  # [kv_heads, n_tokens, hd]: this iteration's keys
     v: torch.Tensor,
-    k_pool: torch.Tensor,  # [slots, kv_heads, hd]
+    k_pool: torch.Tensor,  # [kv_heads, slots, hd]
     v_pool: torch.Tensor,
     block: int,
     scale: float,
@@ -86,6 +94,8 @@ def _group_attention(
     """-> [n_seqs * n_queries, heads, hd]: the group's attention output, in its token order."""
     heads, hd = q.shape[0], q.shape[2]
     n, m = group.n_seqs, group.n_queries
+    if group.rows is not None:
+        return _pool_rows_attention(group, group.rows, q, k_pool, v_pool, scale, window, softcap)
     qg = _rows(q, group).view(heads, n, m, hd).transpose(0, 1)  # [n, heads, m, hd]
     if group.blocks is None:  # a first chunk: its context is exactly its own keys
         kg = _rows(k, group).view(-1, n, m, hd).transpose(0, 1)  # [n, kv_heads, m, hd]
@@ -98,12 +108,55 @@ def _group_attention(
         out = F.scaled_dot_product_attention(
             qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
         )
+    elif m == 1:  # decoding: query heads sharing a KV head stacked on the query axis
+        folded = qg.reshape(n, kg.shape[1], -1, hd)  # [n, kv_heads, heads / kv_heads, hd]
+        out = F.scaled_dot_product_attention(
+            folded, kg, vg, attn_mask=group.mask(window, qg.dtype), scale=scale
+        )
+        return out.reshape(n, heads, hd)
     else:
         mask = group.mask(window, qg.dtype)
         out = F.scaled_dot_product_attention(
             qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).reshape(n * m, heads, hd)  # [n, m, heads, hd] flattened
+
+
+def _pool_rows_attention(
+    group: AttnGroup,
+    rows: PoolRows,
+    q: torch.Tensor,  # [heads, n_tokens, hd]
+    k_pool: torch.Tensor,  # [kv_heads, slots, hd]
+    v_pool: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decoding sequences read in place from the pool -> [n_seqs, heads, hd]."""
+    heads, hd = q.shape[0], q.shape[2]
+    kv_heads = k_pool.shape[0]
+    qr = q.new_zeros(rows.n_rows, heads, hd)  # rows that are no sequence keep a zero query
+    qr.index_copy_(0, rows.index, _rows(q, group).transpose(0, 1))
+    kr = _row_view(k_pool, rows, group.kv_width)  # [n_rows, kv_heads, kv_width, hd]
+    vr = _row_view(v_pool, rows, group.kv_width)
+    mask = group.mask(window, q.dtype)  # [n_rows, 1, 1, kv_width]
+    if softcap is not None:
+        out = _eager(qr[:, :, None], kr, vr, mask, scale, softcap)  # [n_rows, heads, 1, hd]
+    else:
+        folded = qr.view(rows.n_rows, kv_heads, heads // kv_heads, hd)
+        out = F.scaled_dot_product_attention(folded, kr, vr, attn_mask=mask, scale=scale)
+    return out.reshape(rows.n_rows, heads, hd).index_select(0, rows.index)
+
+
+def _row_view(pool: torch.Tensor, rows: PoolRows, width: int) -> torch.Tensor:
+    """[kv_heads, slots, hd] -> [n_rows, kv_heads, width, hd], a view (no copy): row r is
+    slots first + r * stride ... + width - 1 of every KV head."""
+    kv_heads, hd = pool.shape[0], pool.shape[2]
+    return pool.as_strided(
+        (rows.n_rows, kv_heads, width, hd),
+        (rows.stride * hd, pool.stride(0), hd, 1),
+        pool.storage_offset() + rows.first * hd,
+    )
 
 
 def _rows(x: torch.Tensor, group: AttnGroup) -> torch.Tensor:
@@ -115,11 +168,11 @@ def _rows(x: torch.Tensor, group: AttnGroup) -> torch.Tensor:
 
 
 def _gather(pool: torch.Tensor, group: AttnGroup, block: int) -> torch.Tensor:
-    """[slots, kv_heads, hd] -> [n_seqs, kv_heads, n_blocks * block, hd]: each sequence's
-    context, copied a whole block (block x kv_heads x hd contiguous values) at a time."""
-    kv_heads, hd = pool.shape[1], pool.shape[2]
-    blocks = pool.view(-1, block, kv_heads, hd).index_select(0, group.blocks)
-    return blocks.view(group.n_seqs, -1, kv_heads, hd).transpose(1, 2)
+    """[kv_heads, slots, hd] -> [n_seqs, kv_heads, n_blocks * block, hd]: each sequence's
+    context, copied a whole block (kv_heads stretches of block x hd values) at a time."""
+    kv_heads, hd = pool.shape[0], pool.shape[2]
+    blocks = pool.view(kv_heads, -1, block, hd).index_select(1, group.blocks)
+    return blocks.view(kv_heads, group.n_seqs, -1, hd).transpose(0, 1)
 
 
 def _eager(

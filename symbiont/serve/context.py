@@ -19,10 +19,27 @@ from symbiont.serve.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
+class PoolRows:
+    """Decoding sequences whose KV blocks are aligned contiguous runs, read in place as
+    rows of one strided view of every layer's pool: row r is the `kv_width` slots from
+    `first + r * stride` (per KV head). Rows between the sequences' rows (other
+    sequences, free blocks) are computed with a dummy query and dropped."""
+
+    first: int  # pool slot where row 0 starts
+    stride: int  # slots between consecutive rows
+    n_rows: int
+    index: torch.Tensor  # [n_seqs] view row of each sequence, in the group's query order
+
+
+@dataclass(frozen=True)
 class AttnGroup:
     """Sequences whose attention runs as one batched call: every decoding sequence (one
     query each) together, or one prefill chunk. Nothing is padded on the query side, so
     queries are read in place when the group's tokens are contiguous (`span`).
+
+    A group of decoding sequences whose contexts lie in aligned runs has `rows`: its
+    context is read as a view of the pool, without a gather, and `q_pos`/`kv_len` (hence
+    the mask) are per view row; rows that are no sequence attend to position 0 only.
     """
 
     n_seqs: int
@@ -35,6 +52,7 @@ class AttnGroup:
     kv_width: int  # context positions attended over: n_blocks * block_size, or n_queries
     q_pos: torch.Tensor  # [n_seqs, n_queries] absolute position of each query
     kv_len: torch.Tensor  # [n_seqs] context length after this iteration's tokens
+    rows: PoolRows | None = None  # set: read in place; q_pos, kv_len are [n_rows, ...]
     masks: dict = field(default_factory=dict)  # (window, dtype) -> mask, built once per step
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:

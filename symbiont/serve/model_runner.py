@@ -18,9 +18,14 @@ from transformers import PreTrainedModel
 
 from symbiont.serve.adapters import AdapterRegistry, adapter_batch
 from symbiont.serve.attention import register_attention
-from symbiont.serve.context import AttnGroup, StepContext, use_context
+from symbiont.serve.context import AttnGroup, PoolRows, StepContext, use_context
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.scheduler import ScheduledSeq
+
+# A decode view may compute at most this many rows per sequence it serves: rows between
+# the sequences' runs are computed for nothing, and past 2 per sequence the view no longer
+# beats gathering (benchmarks/decode_attention.py, BENCHMARKS.md issue 17).
+MAX_ROWS_PER_SEQ = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,17 +127,62 @@ class ModelRunner:
     def _attn_groups(
         self, decode: list[ScheduledSeq], prefill: list[ScheduledSeq], offsets: dict[int, int]
     ) -> tuple[AttnGroup, ...]:
-        """One group for all decoding sequences, one per prefill chunk: no query padding,
-        and a chunk that starts its sequence attends over its own keys without a gather."""
-        groups = [self._attn_group(decode, 1, offsets)] if decode else []
+        """The decoding sequences (those read in place from the pool, and the rest), one
+        group per prefill chunk: no query padding, and a chunk that starts its sequence
+        attends over its own keys without a gather."""
+        groups = []
+        in_place = self._pool_rows(decode)
+        if in_place is not None:
+            members, rows = in_place
+            groups.append(self._attn_group(members, 1, offsets, rows))
+            chosen = {id(item) for item in members}
+            decode = [item for item in decode if id(item) not in chosen]
+        if decode:
+            groups.append(self._attn_group(decode, 1, offsets))
         return tuple(
             groups + [self._attn_group([item], item.n_tokens, offsets) for item in prefill]
         )
 
+    def _pool_rows(self, decode: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], PoolRows] | None:
+        """The decoding sequences read in place as rows of one strided view of the pool,
+        and the view; None when none qualifies.
+
+        A sequence qualifies when its blocks are one run the allocator aligned to its size
+        class (kv_cache.py). The view's row stride is one class's alignment; sequences
+        whose runs start on that lattice are its rows. The class giving the most rows is
+        chosen, provided rows that are no sequence (computed for nothing) stay at most
+        `MAX_ROWS_PER_SEQ - 1` per sequence and the view stays inside the pool."""
+        allocator, block = self.kv_cache.allocator, self.kv_cache.block_size
+        runs = [item for item in decode if allocator.is_run(item.seq.blocks)]
+        best = None
+        aligns = {allocator.alignment(len(item.seq.blocks)) for item in runs}
+        for align in sorted(aligns, reverse=True):  # ties: the wider stride, fewer rows
+            members = [item for item in runs if item.seq.blocks[0] % align == 0]
+            firsts = [item.seq.blocks[0] for item in members]
+            lo, hi = min(firsts), max(firsts)
+            n_rows = (hi - lo) // align + 1
+            width = max(item.start + 1 for item in members)
+            if n_rows > MAX_ROWS_PER_SEQ * len(members) or hi * block + width > (
+                self.kv_cache.num_slots
+            ):
+                continue
+            if best is None or len(members) > len(best[0]):
+                index = [(first - lo) // align for first in firsts]
+                best = (members, PoolRows(lo * block, align * block, n_rows, index))
+        if best is None:
+            return None
+        members, rows = best
+        return members, dataclasses.replace(rows, index=self._tensor(rows.index))
+
     def _attn_group(
-        self, items: list[ScheduledSeq], n_queries: int, offsets: dict[int, int]
+        self,
+        items: list[ScheduledSeq],
+        n_queries: int,
+        offsets: dict[int, int],
+        rows: PoolRows | None = None,
     ) -> AttnGroup:
-        """`items` all compute `n_queries` tokens this iteration."""
+        """`items` all compute `n_queries` tokens this iteration; with `rows` (decoding
+        sequences read in place), positions and lengths are laid out per view row."""
         firsts = [offsets[id(item)] for item in items]
         starts = [item.start for item in items]
         first, n_tokens = firsts[0], len(items) * n_queries
@@ -140,20 +190,31 @@ class ModelRunner:
         step = torch.arange(n_queries)  # [n_queries]
         start = torch.tensor(starts)  # [n_seqs]
         q_pos = start[:, None] + step[None, :]  # [n_seqs, n_queries]
+        kv_len = start + n_queries  # [n_seqs]
         fresh = len(items) == 1 and starts[0] == 0  # context = this chunk's own keys
-        blocks, n_blocks = (None, 0) if fresh else self._block_table(items, max(starts) + n_queries)
         tokens = None
         if not contiguous:
             tokens = (torch.tensor(firsts)[:, None] + step[None, :]).flatten().to(self.device)
+        if rows is not None:  # a row that is no sequence attends to position 0 only
+            index = rows.index.cpu()
+            q_pos = torch.zeros(rows.n_rows, 1, dtype=torch.long).index_copy_(0, index, q_pos)
+            kv_len = torch.ones(rows.n_rows, dtype=torch.long).index_copy_(0, index, kv_len)
+            blocks, kv_width = None, max(starts) + 1
+        elif fresh:
+            blocks, kv_width = None, n_queries
+        else:
+            blocks, n_blocks = self._block_table(items, max(starts) + n_queries)
+            kv_width = n_blocks * self.kv_cache.block_size
         return AttnGroup(
             n_seqs=len(items),
             n_queries=n_queries,
             span=(first, first + n_tokens) if contiguous else None,
             tokens=tokens,
             blocks=blocks,
-            kv_width=n_queries if fresh else n_blocks * self.kv_cache.block_size,
+            kv_width=kv_width,
             q_pos=q_pos.to(self.device),
-            kv_len=(start + n_queries).to(self.device),
+            kv_len=kv_len.to(self.device),
+            rows=rows,
         )
 
     def _block_table(self, items: list[ScheduledSeq], max_kv: int) -> tuple[torch.Tensor, int]:
