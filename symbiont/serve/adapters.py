@@ -1,12 +1,22 @@
 """Adapters served side by side: PEFT folders parsed into slots of stacked weights.
 
 Each targeted base layer is wrapped once in an `AdapterLayer` holding, for every slot,
-LoRA `A [slots, r_max, in]` and `B·scale [slots, r_max, out]` (mixed ranks zero-padded) and IA3 vectors `[slots, in]` (feed-forward layers scale their input) or
-`[slots, out]` (other layers scale their output), and DoRA's output scales `[slots, out]`.
-Slot 0 is "no adapter": zero LoRA and unit IA3. Per iteration the layer runs one base
-call for all tokens, one gather for IA3 and DoRA and one grouped pair of `bmm`s for LoRA,
-whatever mix of adapters is in the batch. AdaLoRA, VeRA, LoHa and DoRA become LoRA slots
-and LoKr a per-slot `RowDelta` (`symbiont.serve.weight_methods`).
+LoRA `Aᵀ [slots, chunks, in, 16]` (A transposed, its ranks in chunks of 16) and
+`B·scale [slots, r_max, out]` (mixed ranks zero-padded), IA3 vectors `[slots, in]`
+(feed-forward layers scale their input) or `[slots, out]` (other layers scale their
+output), and DoRA's output scales `[slots, out]`. Slot 0 is "no adapter": zero LoRA and
+unit IA3. Per iteration the layer runs one base call for all tokens, one gather for IA3
+and DoRA, and LoRA only for the tokens that use it, two ways (chosen once per iteration
+by `adapter_batch`):
+
+- tokens whose adapter has few tokens in the batch (decoding sequences): two
+  `embedding_bag`s that read each token's A and B rows straight from the stacks, no
+  copy of any weight (`LoraRows`; the SGMV shrink/expand pair of punica and vLLM);
+- tokens of an adapter with many (prefill chunks): grouped by slot in rank buckets, the
+  slot's A and B gathered once and applied with a `bmm` pair (`LoraBucket`).
+
+AdaLoRA, VeRA, LoHa and DoRA become LoRA slots and LoKr a per-slot `RowDelta`
+(`symbiont.serve.weight_methods`).
 """
 
 from __future__ import annotations
@@ -14,9 +24,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from peft.utils.other import get_pattern_key
 from torch import nn
 
@@ -39,11 +50,21 @@ __all__ = [
     "AdapterRegistry",
     "AdapterWeights",
     "Ia3Weights",
+    "LoraRows",
     "LoraWeights",
     "MethodWeights",
     "RowDelta",
+    "ServedAdapterBatch",
     "adapter_batch",
 ]
+
+# Ranks of Aᵀ per chunk: 16 fp32 values are one 64-byte cache line, so a rank-8 adapter
+# reads at most one line per input feature and higher ranks read no padding.
+RANK_CHUNK = 16
+# An adapter with at least this many tokens in an iteration has its A and B gathered
+# once and applied with bmm (a GEMM per slot); with fewer, each token reads its rows in
+# place (embedding_bag: a GEMV per token, which rereads the rows from cache per token).
+DENSE_MIN_TOKENS = 8
 
 
 class AdapterNotFound(KeyError):
@@ -121,7 +142,7 @@ class AdapterLayer(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features, self.num_slots = in_features, out_features, num_slots
-        self.lora_a: torch.Tensor | None = None  # [slots, r_max, in]
+        self.lora_a_t: torch.Tensor | None = None  # [slots, chunks, in, RANK_CHUNK]: Aᵀ
         self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
         self.ia3_out: torch.Tensor | None = None  # [slots, out]
@@ -131,7 +152,11 @@ class AdapterLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()
         batch = None if ctx is None else ctx.adapters
-        if batch is None or not (batch.lora or batch.has_ia3 or batch.has_dora or self.deltas):
+        if batch is None:
+            return self.base(x)
+        rows = getattr(batch, "lora_rows", None)
+        lora = self.lora_a_t is not None and (batch.lora or rows is not None)
+        if not (lora or batch.has_ia3 or batch.has_dora or self.deltas):
             return self.base(x)  # fast path: no adapter math for this layer this iteration
         flat = x.reshape(-1, self.in_features)  # [n_tokens, in]
         assert flat.shape[0] == batch.token_slots.shape[0], "adapter layer saw a partial batch"
@@ -145,9 +170,14 @@ class AdapterLayer(nn.Module):
             y = y * self.ia3_out[batch.token_slots]
         if batch.has_dora and self.dora_scale is not None:
             y = self._dora_rescale(y, self.dora_scale[batch.token_slots])
-        if batch.lora and self.lora_a is not None:
+        if lora and rows is not None:
+            delta = self._lora_rows(flat, rows)  # [n_rows, out]
+            if rows.all_tokens:
+                y += delta
+            else:  # index_put_ (tokens are distinct): CPU index_add is far slower
+                y.index_put_((rows.tokens,), delta, accumulate=True)
+        if lora:
             for bucket in batch.lora:  # at most log2(max_lora_rank) + 1 rank buckets
-                # index_put_ (tokens are distinct): CPU index_add is far slower
                 y.index_put_((bucket.tokens,), self._lora_delta(flat, bucket), accumulate=True)
         for slot, delta in self.deltas.items():  # x Δ̃ᵀ for the rows of each delta's tokens
             rows = (batch.token_slots == slot).nonzero().flatten()
@@ -164,16 +194,38 @@ class AdapterLayer(nn.Module):
         """Grouped LoRA: x @ A[s] @ B[s] for the tokens of every slot s of the bucket at once.
         flat [n_tokens, in] -> [n_valid, out], rows in `bucket.tokens` order"""
         r = bucket.rank
-        a = self.lora_a[:, :r].index_select(0, bucket.slots)  # [groups, r, in]
+        chunks = -(-r // RANK_CHUNK)
+        stack = self.lora_a_t.permute(0, 2, 1, 3)[:, :, :chunks]  # [slots, in, c, 16] view
+        a_t = stack.index_select(0, bucket.slots).flatten(2)[..., :r]  # [groups, in, r]
         b = self.lora_b[:, :r].index_select(0, bucket.slots)  # [groups, r, out]
         xg = flat[bucket.index]  # [groups, max_len, in]
-        delta = torch.bmm(torch.bmm(xg, a.transpose(1, 2)), b)  # [groups, max_len, out]
+        delta = torch.bmm(torch.bmm(xg, a_t), b)  # [groups, max_len, out]
         return delta.reshape(-1, self.out_features).index_select(0, bucket.rows)
 
+    def _lora_rows(self, flat: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """Per-token LoRA read in place: h = Aᵀ[s] x (shrink), then B[s]ᵀ h (expand), as
+        weighted sums of stack rows. flat [n_tokens, in] -> [n_rows, out] in `rows.tokens`
+        order. Each token reads exactly its adapter's A (in 16-rank chunks) and B rows."""
+        num_slots, chunks = self.lora_a_t.shape[:2]
+        plan = rows.plan(num_slots, chunks, self.in_features, self.lora_b.shape[1])
+        x = flat if plan.x_rows is None else flat.index_select(0, plan.x_rows)  # [n_bags, in]
+        table_a = self.lora_a_t.view(-1, RANK_CHUNK)  # [slots * c * in, 16]
+        h = F.embedding_bag(
+            plan.a_index, table_a, plan.a_offsets, mode="sum", per_sample_weights=x.reshape(-1)
+        )  # [n_bags, 16]
+        h = h.view(-1) if plan.h_index is None else h.view(-1).index_select(0, plan.h_index)
+        table_b = self.lora_b.view(-1, self.out_features)  # [slots * r_max, out]
+        return F.embedding_bag(
+            plan.b_index, table_b, plan.b_offsets, mode="sum", per_sample_weights=h
+        )  # [n_rows, out]
+
     def ensure_lora(self, max_rank: int) -> None:
-        if self.lora_a is None:
+        if self.lora_a_t is None:
             like = dict(dtype=self._dtype(), device=self._device())
-            self.lora_a = torch.zeros(self.num_slots, max_rank, self.in_features, **like)
+            chunks = -(-max_rank // RANK_CHUNK)
+            self.lora_a_t = torch.zeros(
+                self.num_slots, chunks, self.in_features, RANK_CHUNK, **like
+            )
             self.lora_b = torch.zeros(self.num_slots, max_rank, self.out_features, **like)
 
     def ensure_ia3(self, feedforward: bool) -> torch.Tensor:
@@ -190,8 +242,8 @@ class AdapterLayer(nn.Module):
     ) -> None:
         """Write one slot (None clears it back to "no adapter")."""
         self.deltas.pop(slot, None)
-        if self.lora_a is not None:
-            self.lora_a[slot].zero_()
+        if self.lora_a_t is not None:
+            self.lora_a_t[slot].zero_()
             self.lora_b[slot].zero_()
         for stack in (self.ia3_in, self.ia3_out, self.dora_scale):
             if stack is not None:
@@ -199,7 +251,10 @@ class AdapterLayer(nn.Module):
         if isinstance(weights, LoraWeights):
             self.ensure_lora(max_rank)
             r = weights.rank
-            self.lora_a[slot, :r].copy_(weights.a)
+            chunks = self.lora_a_t.shape[1]
+            a = torch.zeros(chunks * RANK_CHUNK, self.in_features, dtype=weights.a.dtype)
+            a[:r] = weights.a  # [r, in] zero-padded to whole chunks
+            self.lora_a_t[slot].copy_(a.view(chunks, RANK_CHUNK, -1).transpose(1, 2))
             b = weights.b.t() * weights.scale  # [r, out]
             if weights.out_scale is not None:  # DoRA: g ⊙ s·B A x
                 b = b * weights.out_scale
@@ -463,19 +518,108 @@ def cached_key(name: str) -> str:
     return CACHED_PREFIX + name
 
 
-def adapter_batch(token_slots: torch.Tensor, registry: AdapterRegistry) -> AdapterBatch:
-    """Per-iteration adapter metadata: LoRA tokens sorted into rank buckets and slot groups
-    (one sort per iteration, reused by every layer). token_slots [n_tokens]"""
+@dataclass(frozen=True)
+class RowsPlan:
+    """Index tensors of `AdapterLayer._lora_rows` for one stack shape. A bag is one
+    16-rank chunk of one token's Aᵀ; a term is one rank of one token's adapter."""
+
+    x_rows: torch.Tensor | None  # [n_bags] flat token of each bag; None: bags are the tokens
+    a_index: torch.Tensor  # [n_bags * in] row of Aᵀ's [slots * chunks * in, 16] table
+    a_offsets: torch.Tensor  # [n_bags] first a_index entry of each bag
+    h_index: torch.Tensor | None  # [n_terms] entries of the flattened [n_bags, 16] result
+    # that are ranks of the token's adapter; None: all of them, in order
+    b_index: torch.Tensor  # [n_terms] row of B's [slots * r_max, out] table
+    b_offsets: torch.Tensor  # [n_rows] first term of each token
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """LoRA tokens applied one by one, reading their adapter's rows in place: the tokens
+    whose adapter has fewer than DENSE_MIN_TOKENS tokens this iteration (decoding
+    sequences, mostly). Semantics: `y[t] += x[t] @ A[s_t]ᵀ @ B[s_t]ᵀ·scale` per token."""
+
+    tokens: torch.Tensor  # [n_rows] flat token index, ascending
+    slots: torch.Tensor  # [n_rows] adapter slot of each token
+    ranks: torch.Tensor  # [n_rows] the slot's bucket rank (its rank, or a zero-padded bound)
+    all_tokens: bool  # the rows are every token of the batch, in order
+    plans: dict = field(default_factory=dict)  # stack shape -> RowsPlan, once per iteration
+
+    def plan(self, num_slots: int, chunks: int, in_features: int, r_max: int) -> RowsPlan:
+        key = (num_slots, chunks, in_features, r_max)
+        if key not in self.plans:
+            self.plans[key] = _rows_plan(self, *key)
+        return self.plans[key]
+
+
+@dataclass(frozen=True)
+class ServedAdapterBatch(AdapterBatch):
+    """`AdapterBatch` plus the LoRA tokens applied row by row (None: none are)."""
+
+    lora_rows: LoraRows | None = None
+
+
+def adapter_batch(
+    token_slots: torch.Tensor, registry: AdapterRegistry, dense_min: int = DENSE_MIN_TOKENS
+) -> ServedAdapterBatch:
+    """Per-iteration adapter metadata, reused by every layer: LoRA tokens of adapters with
+    at least `dense_min` tokens sorted into rank buckets and slot groups, the others as
+    rows read in place; base tokens in neither. token_slots [n_tokens]"""
     device = token_slots.device
     bucket_of = torch.tensor(registry.slot_bucket, device=device)[token_slots]  # [n_tokens]
     is_ia3 = torch.tensor(registry.slot_is_ia3, device=device)
     is_dora = torch.tensor(registry.slot_is_dora, device=device)
-    ranks = sorted(set(bucket_of.tolist()) - {0})
-    return AdapterBatch(
+    num_slots = len(registry.slot_bucket)
+    group_len = torch.bincount(token_slots, minlength=num_slots)[token_slots]  # [n_tokens]
+    lora = bucket_of > 0
+    dense = lora & (group_len >= dense_min)
+    ranks = sorted(set(bucket_of[dense].tolist()))
+    return ServedAdapterBatch(
         token_slots=token_slots,
-        lora=tuple(_lora_bucket(token_slots, bucket_of == r, r) for r in ranks),
+        lora=tuple(_lora_bucket(token_slots, dense & (bucket_of == r), r) for r in ranks),
         has_ia3=bool(is_ia3[token_slots].any()),
         has_dora=bool(is_dora[token_slots].any()),
+        lora_rows=_lora_rows(token_slots, bucket_of, lora & ~dense),
+    )
+
+
+def _lora_rows(
+    token_slots: torch.Tensor, bucket_of: torch.Tensor, member: torch.Tensor
+) -> LoraRows | None:
+    tokens = torch.nonzero(member).flatten()  # [n_rows]
+    if not len(tokens):
+        return None
+    return LoraRows(tokens, token_slots[tokens], bucket_of[tokens], len(tokens) == len(token_slots))
+
+
+def _rows_plan(rows: LoraRows, num_slots: int, chunks: int, in_features: int, r_max: int):
+    device = rows.tokens.device
+    # int32 indices where the tables allow: half the index bytes each layer reads
+    table_rows = max(num_slots * chunks * in_features, num_slots * r_max)
+    dtype = torch.int32 if table_rows < 2**31 else torch.long
+    n_rows, ranks = len(rows.tokens), rows.ranks
+    n_chunks = (ranks + RANK_CHUNK - 1) // RANK_CHUNK  # [n_rows]
+    row_of_bag = torch.repeat_interleave(torch.arange(n_rows, device=device), n_chunks)
+    first_bag = torch.cumsum(n_chunks, 0) - n_chunks  # [n_rows]
+    chunk_of_bag = torch.arange(len(row_of_bag), device=device) - first_bag[row_of_bag]
+    table_row = (rows.slots[row_of_bag] * chunks + chunk_of_bag) * in_features  # [n_bags]
+    features = torch.arange(in_features, device=device)
+    a_index = (table_row[:, None] + features[None, :]).flatten()  # [n_bags * in]
+    a_offsets = torch.arange(len(row_of_bag), device=device) * in_features
+    one_bag_each = len(row_of_bag) == n_rows
+    x_rows = None if rows.all_tokens and one_bag_each else rows.tokens[row_of_bag]
+    term_row = torch.repeat_interleave(torch.arange(n_rows, device=device), ranks)
+    first_term = torch.cumsum(ranks, 0) - ranks  # [n_rows]
+    rank_of_term = torch.arange(len(term_row), device=device) - first_term[term_row]
+    whole_chunks = bool((ranks % RANK_CHUNK == 0).all())
+    h_index = None if whole_chunks else first_bag[term_row] * RANK_CHUNK + rank_of_term
+    b_index = rows.slots[term_row] * r_max + rank_of_term  # [n_terms]
+    return RowsPlan(
+        x_rows=x_rows,
+        a_index=a_index.to(dtype),
+        a_offsets=a_offsets.to(dtype),
+        h_index=h_index,
+        b_index=b_index.to(dtype),
+        b_offsets=first_term.to(dtype),
     )
 
 
