@@ -159,6 +159,55 @@ def test_adapter_in_use_keeps_its_slot_and_host_memory(base, folder, reference, 
     assert engine.cache.host_bytes() <= engine.cache.lookup("lora16").bytes
 
 
+@pytest.mark.parametrize("policy", ["fifo", "mlq"])
+def test_a_request_waiting_for_a_slot_reserves_the_one_that_frees_first(
+    base, folder, reference, one_thread, policy
+):
+    """Two slots, both busy: a long request on lora4, a short one on lora16. A request
+    for ia3 (in host memory) waits for lora16's slot, which frees first; a flood for
+    lora4 keeps starting meanwhile, past --max-skips, because it does not delay that
+    slot (the line used to close after max_skips skippers); ia3 starts as soon as the
+    short request ends, long before the long one."""
+    config = EngineConfig(
+        max_running=8, max_batched_tokens=64, block_size=4, num_blocks=256, max_adapters=2,
+        max_skips=2, scheduler=policy,
+    )  # fmt: skip
+    engine = engine_on(base, folder, config)
+    long = Request("long", [4, 5, 6], "lora4", SamplingParams(temperature=0.0, max_tokens=40))
+    short = Request("short", [4, 5, 6], "lora16", SamplingParams(temperature=0.0, max_tokens=6))
+    for request in (long, short):
+        engine.add_request(request)
+    while not (long.sequences[0].output_ids and short.sequences[0].output_ids):
+        engine.step()
+        if engine.stalled:
+            threading.Event().wait(0.002)
+    waiting = Request("waiting", [7, 8, 9], "ia3", GREEDY)
+    engine.add_request(waiting)
+    for _ in range(5000):
+        if engine.cache.state("ia3") is AdapterState.HOST:
+            break
+        threading.Event().wait(0.002)
+    flood, short_done_at, step = [], None, 0
+    while waiting.sequences[0].admitted_at is None:
+        flood.append(Request(f"f{len(flood)}", [3, 4], "lora4", SamplingParams(max_tokens=2)))
+        engine.add_request(flood[-1])
+        engine.step()
+        step += 1
+        if short.finished and short_done_at is None:
+            short_done_at = step
+        assert step < 60, "the waiting request never got a slot"
+    started = waiting.sequences[0].admitted_at
+    skipped = [r for r in flood if (r.sequences[0].admitted_at or started) < started]
+    assert len(skipped) > config.max_skips, "skippers onto another slot were bounded"
+    assert short_done_at is not None and step <= short_done_at + 1, "waited past the free slot"
+    assert not long.finished, "it waited for the long request"
+    run_all(engine, [])
+    while not all(r.finished for r in [long, waiting, *flood]):
+        engine.step()
+    assert waiting.sequences[0].output_ids == reference.generate([7, 8, 9], "ia3", 6)
+    assert long.sequences[0].output_ids == reference.generate([4, 5, 6], "lora4", 40)
+
+
 def test_cost_policy_keeps_frequent_large_adapters_lru_keeps_recent():
     old_hot = CachedAdapter("hot", None, hits=10, bytes=1000, tick=1)
     new_cold = CachedAdapter("cold", None, hits=1, bytes=100, tick=9)

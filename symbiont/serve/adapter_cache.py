@@ -349,6 +349,17 @@ class AdapterCache:
                 return Placement.NO_SLOT, 0
             return Placement.READY, self.registry.acquire(cached_key(name))
 
+    def is_delta(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and entry.method == "delta"
+
+    def needs_delta_slot(self, name: str) -> bool:
+        """Whether placing `name` waits for a resident delta to leave (a delta, with
+        `--max-deltas` of them resident) rather than for any slot."""
+        limit = self.config.max_deltas
+        return self.is_delta(name) and limit is not None and self._deltas().num_resident >= limit
+
     def _install(self, entry: CachedAdapter, evict: bool) -> bool:
         is_delta = entry.method == "delta"
         limit = self.config.max_deltas

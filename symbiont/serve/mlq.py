@@ -272,6 +272,9 @@ class MLQScheduler(Scheduler):
             order.remove(starving)
             order.insert(0, starving)
         self._starving = None
+        # a sequence waiting for a slot keeps its reservation across iterations: smaller
+        # queues, served first, may not take the slot it waits for (see Scheduler)
+        self._slot_blocked = self.head_waits_for_slot()
         blocked = [False] * len(self.levels)
         for i in order:  # phase 1: within quotas
             budget, blocked[i], no_room = self._admit_queue(queues[i], i, used, batch, budget, None)

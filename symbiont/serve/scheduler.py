@@ -12,8 +12,17 @@ running room or KV blocks), so a large request is not overtaken forever. A seque
 needs a slot when every slot is in use by running sequences stops the admission of
 other folder adapters until a slot frees, so it cannot starve behind popular ones;
 except that, as in DeltaZip, sequences whose adapter or delta is resident may skip the
-line, at most `max_skips` past one waiting sequence (DeltaZip preempts skippers when
-their parent finishes; we never preempt, so skipping is bounded by count instead).
+line (DeltaZip preempts skippers when their parent finishes; we never preempt).
+
+Which slot the waiting sequence gets is decided when it first finds none: the resident
+folder adapter whose running sequences have the fewest positions left to compute (the
+slot that frees first, reading `max_tokens` as the length) is *draining*, a reservation
+as in EASY backfilling. Skippers whose adapter is another resident one start freely:
+they do not delay that slot. Skippers onto the draining slot itself would keep it busy,
+so at most `max_skips` of them start past one waiting sequence (0: strict arrival
+order, no skipping at all). Without the reservation every skipper extended some slot's
+life and the line closed after `max_skips` of them, so on a busy server admission of
+folder adapters stopped for as long as the longest running request on any slot.
 """
 
 from __future__ import annotations
@@ -96,7 +105,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._slot_blocked = False  # this iteration, a folder adapter found no slot
         self._blocked_head: Sequence | None = None  # the last sequence that found none
-        self._skips = 0  # sequences admitted ahead of it since (skip-the-line)
+        self._drain: str | None = None  # the folder adapter whose slot it waits for
+        self._skips = 0  # sequences that started on that slot since (skip-the-line)
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.waiting) + len(seqs) > self.config.max_queue:
@@ -166,25 +176,60 @@ class Scheduler:
         """Put `seq`'s adapter in a slot if it can (READY), or say why not."""
         if seq.cached_adapter is None or seq.adapter_slot:
             return Placement.READY
-        if self.cache is None or (self._slot_blocked and not self._may_skip(seq)):
+        if self.cache is None:
+            return Placement.NO_SLOT
+        head = seq is self._blocked_head
+        if self._slot_blocked and not head and not self._may_skip(seq):
             return Placement.NO_SLOT
         placement, slot = self.cache.place(seq.cached_adapter)
         if placement is Placement.NO_SLOT:
             self._slot_blocked = True
-            if seq is not self._blocked_head:  # a new sequence waits: its own skip count
-                self._blocked_head, self._skips = seq, 0
+            if not head:  # a new sequence waits: its own reservation and skip count
+                self._blocked_head, self._drain, self._skips = seq, None, 0
+            if self._drain not in self._busy_adapters():  # none yet, or it freed and was taken
+                self._drain = self._drain_target(seq)
+        elif placement is Placement.READY and head:
+            self._blocked_head = self._drain = None
         seq.adapter_slot = slot
         return placement
 
     def _may_skip(self, seq: Sequence) -> bool:
         """Whether `seq` may start ahead of the sequence waiting for a slot: its adapter
-        is resident (no eviction needed) and fewer than `max_skips` did so already."""
-        if self._skips >= self.config.max_skips:
-            return False  # the line is closed until the waiting sequence has its slot
+        is resident (no eviction needed), and if that is the draining slot, fewer than
+        `max_skips` started on it already. `max_skips` 0: strict arrival order."""
+        if self.config.max_skips == 0:
+            return False
         if self.cache.state(seq.cached_adapter) is not AdapterState.RESIDENT:
             return False
+        if seq.cached_adapter != self._drain:
+            return True  # another slot: the waiting sequence does not wait for it
+        if self._skips >= self.config.max_skips:
+            return False  # the draining slot is closed until the waiting sequence has it
         self._skips += 1
         return True
+
+    def head_waits_for_slot(self) -> bool:
+        """Whether a sequence found no slot and still waits (its reservation holds)."""
+        head = self._blocked_head
+        return head is not None and head.status is SeqStatus.WAITING
+
+    def _busy_adapters(self) -> dict[str, int]:
+        """Folder adapters of running sequences -> the most positions one of them has left
+        to compute (prompt chunks and up to `max_tokens` outputs): when its slot frees."""
+        left: dict[str, int] = {}
+        for seq in self.running:
+            if seq.cached_adapter is not None:
+                todo = self.reserved_len(seq) - seq.num_computed
+                left[seq.cached_adapter] = max(left.get(seq.cached_adapter, 0), todo)
+        return left
+
+    def _drain_target(self, head: Sequence) -> str | None:
+        """The busy folder adapter whose slot frees first (a delta's, if the waiting
+        sequence needs a delta slot): reserved for `head`."""
+        left = self._busy_adapters()
+        if self.cache.needs_delta_slot(head.cached_adapter):
+            left = {name: n for name, n in left.items() if self.cache.is_delta(name)}
+        return min(left, key=lambda name: (left[name], name), default=None)
 
     def reserved_len(self, seq: Sequence) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, self.max_model_len) + seq.num_virtual
