@@ -24,9 +24,12 @@ def open_executor(
     device="cpu",
     dtype=None,
     mask_activations: str | bool | None = None,
+    prepack: bool = False,
 ) -> Executor:
     """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
-    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None.
+    `model_dir` at connect time), or an in-process BaseExecutor when `url` is None; with
+    `prepack`, an in-process one on a CPU in fp32 holds its large weights in the matmul
+    library's layout (faster, forward calls only: symbiont/base/prepack.py).
 
     mask_activations 'pool' wraps it so every call is masked; 'shares' takes two URLs
     (`serve-base`s of parties that do not collude) and splits every call between them
@@ -47,7 +50,9 @@ def open_executor(
             "--executor URL_A --executor URL_B (symbiont serve: --executor URL_A "
             "--second-executor URL_B)"
         )
-    executors = [_open_one(model_dir, one, device=device, dtype=dtype) for one in urls]
+    executors = [
+        _open_one(model_dir, one, device=device, dtype=dtype, prepack=prepack) for one in urls
+    ]
     try:
         return mask_executors(model_dir, tuple(executors), config, device=device)
     except BaseException:
@@ -56,11 +61,15 @@ def open_executor(
         raise
 
 
-def _open_one(model_dir, url: str | None, *, device, dtype) -> Executor:
+def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False) -> Executor:
     if url is None:
         from symbiont.base.executor import BaseExecutor
+        from symbiont.base.prepack import PrepackedExecutor, can_prepack
 
-        return BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
+        executor = BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
+        if prepack and can_prepack(executor.device, executor.manifest.dtype):
+            return PrepackedExecutor(executor)
+        return executor
     from symbiont.client.remote import connect
 
     return connect(url, checkpoint=model_dir)

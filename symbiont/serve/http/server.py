@@ -32,16 +32,14 @@ def load_engine(
     """Build the engine and its adapters, then make the state ready; `on_failure(why)` is
     called from the engine thread if it fails for good."""
     urls = tuple(url for url in (config.executor, config.second_executor) if url) or None
-    executor = (
-        open_executor(
-            config.model,
-            urls,
-            device=config.device,
-            dtype=config.dtype,
-            mask_activations=config.mask_activations,
-        )
-        if urls or config.mask_activations
-        else None
+    executor = open_executor(
+        config.model,
+        urls,
+        device=config.device,
+        dtype=config.dtype,
+        mask_activations=config.mask_activations,
+        # jobs train through this executor: their backward calls need the plain layout
+        prepack=config.prepack and config.jobs_dir is None,
     )
     engine = Engine.from_pretrained(
         config.model,

@@ -1,0 +1,106 @@
+"""Base weights repacked for oneDNN (symbiont/base/prepack.py): the same numbers within fp32
+rounding, the same greedy tokens as vanilla transformers, forward calls only, and where
+`symbiont serve` uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiont import BaseExecutor, load_client
+from symbiont.base.prepack import MIN_PACKED_WEIGHTS, PrepackedExecutor, can_prepack
+from symbiont.model.layers import LayerKind
+from symbiont.protocol.executor import ExecutorError, Op
+from symbiont.serve import Engine, EngineConfig, SamplingParams
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.server import BackgroundServer
+from symbiont.tenant import open_executor
+from tests.test_serve_common import Reference, prompts
+
+pytestmark = pytest.mark.skipif(
+    not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN"
+)
+# Packed and plain sum in different orders: fp32 rounding apart, relative to the output scale
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def test_every_packed_layer_computes_the_plain_forward_within_fp32_rounding(checkpoints):
+    plain = BaseExecutor.from_pretrained(checkpoints("llama"))
+    layers = plain.manifest.layers
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), min_weights=0)
+    assert packed.packed_layers == {s.id for s in layers if s.kind is LayerKind.LINEAR}
+    g = torch.Generator().manual_seed(0)
+    for spec in layers:
+        for rows in (1, 5, 33):
+            x = torch.randn(rows, spec.in_features, generator=g)
+            want, got = plain.call(Op.FORWARD, spec.id, x), packed.call(Op.FORWARD, spec.id, x)
+            assert got.shape == want.shape == (rows, spec.out_features)
+            assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), (
+                f"{spec.name}: max |diff| {float((got - want).abs().max()):.2e}"
+            )
+    x = torch.randn(8, 2 * layers[0].in_features, generator=g)[:, ::2]  # a strided view
+    assert torch.allclose(
+        packed.call(Op.FORWARD, 0, x), plain.call(Op.FORWARD, 0, x), atol=ATOL, rtol=RTOL
+    )
+
+
+def test_conv1d_layers_stay_plain_and_exact(checkpoints):
+    plain = BaseExecutor.from_pretrained(checkpoints("gpt2"))
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("gpt2")), min_weights=0)
+    conv = [s.id for s in plain.manifest.layers if s.kind is LayerKind.CONV1D]
+    assert conv and not packed.packed_layers & set(conv)
+    x = torch.randn(4, plain.manifest.layers[conv[0]].in_features)
+    assert torch.equal(packed.call(Op.FORWARD, conv[0], x), plain.call(Op.FORWARD, conv[0], x))
+
+
+def test_small_layers_are_left_plain_by_default_and_memory_is_unchanged(checkpoints):
+    plain = BaseExecutor.from_pretrained(checkpoints("llama"))
+    default = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")))
+    assert all(s.in_features * s.out_features < MIN_PACKED_WEIGHTS for s in plain.manifest.layers)
+    assert default.packed_layers == frozenset()
+    everything = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), 0)
+    assert everything.weight_bytes() == plain.weight_bytes()
+
+
+def test_backward_through_a_packed_layer_is_refused_with_what_to_do(checkpoints):
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), min_weights=0)
+    layer = min(packed.packed_layers)
+    grad_y = torch.randn(3, packed.manifest.layers[layer].out_features)
+    with pytest.raises(ExecutorError, match="started without packing"):
+        packed.call(Op.BACKWARD, layer, grad_y)
+
+
+def test_engine_on_packed_weights_generates_what_vanilla_transformers_does(checkpoints):
+    base = checkpoints("llama")
+    reference = Reference(base, {})
+    executor = PrepackedExecutor(BaseExecutor.from_pretrained(base), min_weights=0)
+    config = EngineConfig(max_running=6, max_batched_tokens=16, block_size=4, num_blocks=128)
+    engine = Engine(load_client(base, executor), config)
+    batch = prompts(6, seed=7)
+    outputs = engine.generate(batch, None, SamplingParams(max_tokens=8, temperature=0.0))
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == reference.generate(prompt, None, 8)
+
+
+def test_open_executor_packs_only_fp32_on_cpu(checkpoints):
+    base = checkpoints("llama")
+    assert isinstance(open_executor(base, prepack=True), PrepackedExecutor)
+    assert type(open_executor(base, prepack=False)) is BaseExecutor
+    bf16 = open_executor(base, dtype=torch.bfloat16, prepack=True)
+    assert type(bf16) is BaseExecutor  # no packed bf16 kernel worth it on every CPU
+    with pytest.raises(ValueError, match="--no-prepack"):
+        PrepackedExecutor(bf16)
+
+
+@pytest.mark.parametrize("jobs", [False, True])
+def test_serve_packs_unless_jobs_train_through_its_executor(checkpoints, tmp_path, jobs):
+    config = ServerConfig(
+        model=str(checkpoints("llama")),
+        port=0,
+        jobs_dir=str(tmp_path / "jobs") if jobs else None,
+        engine=EngineConfig(max_running=2, max_batched_tokens=16, block_size=4, num_blocks=32),
+    )
+    with BackgroundServer(config) as server:
+        layer = server.state.engine.engine.model.model.layers[0].self_attn.q_proj
+        executor = getattr(layer, "base_layer", layer).executor
+        assert isinstance(executor, PrepackedExecutor) is not jobs
