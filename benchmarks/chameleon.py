@@ -13,7 +13,9 @@ Systems, each on a fresh engine over the same trace, all adapters from one --ada
   fifo-lru      FIFO + cache, LRU eviction
   fifo-cost     FIFO + cache, Chameleon's cost-aware eviction
   mlq-cost      MLQ + cost-aware cache (Chameleon)
-The host tier holds --host-fraction of all adapters' bytes (so eviction matters).
+The host tier holds the --max-loras largest adapters (the cache counts the host copies of
+resident adapters against its budget) plus --host-fraction of all adapters' bytes (so
+eviction matters).
 
 Offered loads are multiples (--loads) of the capacity measured first (fifo-cost with the
 whole trace at time 0: requests finished per second up to the 75th percentile finish, so
@@ -113,6 +115,7 @@ class Run:
     service: list[float]  # admission -> finish, per request
     loads: int
     finishes: list[float]  # seconds after the start, in order
+    probe: Probe | None = None
 
     def pct(self, q: float) -> float:
         return float(np.percentile(self.ttft, q))
@@ -123,10 +126,11 @@ class Run:
 
 
 class LoadCounter:
-    """Counts disk loads (the engine's observer hook)."""
+    """Counts disk loads and their seconds (the engine's observer hook)."""
 
     def __init__(self):
         self.loads = 0
+        self.load_seconds: list[float] = []
 
     def on_first_token(self, seconds): ...
     def on_inter_token(self, seconds): ...
@@ -137,6 +141,86 @@ class LoadCounter:
 
     def on_adapter_load(self, seconds, ok):
         self.loads += 1
+        self.load_seconds.append(seconds)
+
+
+WAITS = ("queue", "load", "slot")  # why a waiting request was not admitted in a pass
+
+
+class Probe:
+    """Where each request's TTFT goes: arrival -> admission split by what held it back in
+    each scheduling pass (`queue`: not reached, or no running room / KV blocks; `load`: its
+    adapter was being read from disk; `slot`: its adapter waited for a slot), then
+    admission -> first token (`run`: prefill chunks and the iterations they ride in).
+    Also the engine thread's iteration times and the seconds it spent placing adapters
+    into slots. Wraps the scheduler's methods; measures, changes nothing."""
+
+    def __init__(self, engine):
+        self.scheduler = engine.scheduler
+        self.waits: dict[object, dict[str, float]] = {}
+        self._last: dict[object, float] = {}
+        self._why: dict[object, str] = {}
+        self.admitted: dict[object, float] = {}
+        self.steps: list[float] = []
+        self.place_seconds = 0.0
+        schedule, try_admit, step = (
+            engine.scheduler.schedule,
+            engine.scheduler.try_admit,
+            engine.step,
+        )
+        verdicts = {"loading": "load", "wait": "slot", "no_room": "queue"}
+
+        def probed_schedule():
+            now = time.monotonic()
+            for seq in self.scheduler.waiting:
+                waits = self.waits.setdefault(seq, dict.fromkeys(WAITS, 0.0))
+                last = self._last.get(seq, self._arrival(seq))
+                waits[self._why.get(seq, "queue")] += max(0.0, now - last)
+                self._last[seq], self._why[seq] = now, "queue"
+            return schedule()
+
+        def probed_try_admit(seq):
+            verdict = try_admit(seq)
+            if verdict.value == "ok":
+                self.admitted[seq] = time.monotonic()
+            else:
+                self._why[seq] = verdicts[verdict.value]
+            return verdict
+
+        def probed_step():
+            start = time.perf_counter()
+            outputs = step()
+            if not engine.stalled:
+                self.steps.append(time.perf_counter() - start)
+            return outputs
+
+        engine.scheduler.schedule, engine.scheduler.try_admit = probed_schedule, probed_try_admit
+        engine.step = probed_step
+        if engine.cache is not None:
+            place = engine.cache.place
+
+            def probed_place(name, evict=True):
+                start = time.perf_counter()
+                try:
+                    return place(name, evict)
+                finally:
+                    self.place_seconds += time.perf_counter() - start
+
+            engine.cache.place = probed_place
+        self.arrivals: dict[str, float] = {}
+
+    def _arrival(self, seq) -> float:
+        return self.arrivals[seq.request_id]
+
+    def breakdown(self, requests) -> list[dict[str, float]]:
+        """Per request (in order): seconds of queue, load, slot waits and run."""
+        rows = []
+        for request in requests:
+            seq = request.sequences[0]
+            row = dict(self.waits.get(seq, dict.fromkeys(WAITS, 0.0)))
+            row["run"] = request.first_token_time - self.admitted[seq]
+            rows.append(row)
+        return rows
 
 
 def forget_when_idle(cache) -> None:
@@ -172,6 +256,7 @@ def run(args, system: str, trace: list[TraceItem], load: float, capacity: float)
     engine.attach_adapter_dir(args.adapter_dir)
     if not cached:
         forget_when_idle(engine.cache)
+    probe = Probe(engine)
     scale = 0.0 if load == 0 else 1.0 / (load * capacity)
     pending = deque(trace)
     requests, service, finishes = [], [], []
@@ -183,6 +268,7 @@ def run(args, system: str, trace: list[TraceItem], load: float, capacity: float)
             params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
             request = Request(f"r{len(requests)}", item.prompt, item.adapter, params)
             request.arrival = start + item.arrival * scale  # late admission counts as waiting
+            probe.arrivals[request.request_id] = request.arrival
             engine.add_request(request)
             requests.append(request)
         if not engine.has_work():
@@ -201,32 +287,101 @@ def run(args, system: str, trace: list[TraceItem], load: float, capacity: float)
     assert not failed, f"{system}: {failed[0]}"
     ttft = [r.first_token_time - r.arrival for r in requests]
     tokens = sum(len(r.sequences[0].output_ids) for r in requests)
-    return Run(system, load, ttft, tokens, seconds, service, counter.loads, finishes)
+    probe.rows = probe.breakdown(requests)
+    probe.load_seconds = counter.load_seconds
+    return Run(system, load, ttft, tokens, seconds, service, counter.loads, finishes, probe)
 
 
-def run_repeats(args, system: str, trace, load: float, capacity: float) -> Run:
-    """--repeats runs; the one with the median P99 TTFT stands for them (a shared machine's
-    other jobs hit single runs)."""
-    runs = sorted(
-        (run(args, system, trace, load, capacity) for _ in range(args.repeats)),
-        key=lambda r: r.pct(99),
+def describe(r: Run, tail: float = 0.05) -> str:
+    """Where TTFT went: mean seconds per part over all requests and over the slowest
+    `tail` share; iteration time, disk-load time and slot placement time."""
+    probe = r.probe
+    order = np.argsort(r.ttft)[::-1]
+    slow = order[: max(1, int(round(tail * len(order))))]
+    parts = (*WAITS, "run")
+
+    def means(idx) -> str:
+        return " ".join(f"{p} {np.mean([probe.rows[i][p] for i in idx]) * 1e3:6.1f}" for p in parts)
+
+    loads = probe.load_seconds or [0.0]
+    return (
+        f"    all  (ms): {means(range(len(r.ttft)))}\n"
+        f"    slowest {len(slow)} (ms): {means(slow)}\n"
+        f"    iteration {np.mean(probe.steps) * 1e3:.1f} ms (p99 {np.percentile(probe.steps, 99) * 1e3:.1f}), "
+        f"{len(probe.steps)} iterations; disk load {np.mean(loads) * 1e3:.1f} ms mean "
+        f"(p99 {np.percentile(loads, 99) * 1e3:.1f}) x {r.loads}; placing in slots "
+        f"{probe.place_seconds * 1e3:.0f} ms in all"
     )
-    return runs[len(runs) // 2]
+
+
+def run_repeats(args, system: str, traces, load: float, capacity: float) -> Run:
+    """One run per trace (--repeats traces of different seeds), pooled: TTFTs of all runs
+    together, so P99 is over repeats x requests (a single run's P99 is its 3rd-worst
+    request, and the machine's other jobs hit single runs)."""
+    runs = [run(args, system, trace, load, capacity) for trace in traces]
+    pooled = Run(
+        system,
+        load,
+        [t for r in runs for t in r.ttft],
+        sum(r.tokens for r in runs),
+        sum(r.seconds for r in runs),
+        [t for r in runs for t in r.service],
+        sum(r.loads for r in runs),
+        runs[0].finishes,
+        runs[0].probe,
+    )
+    pooled.parts = runs
+    return pooled
+
+
+def unloaded_ttft(args, trace: list[TraceItem], n: int = 30) -> tuple[float, float, float]:
+    """Requests served one at a time (nothing else queued or running) by the baseline,
+    fifo-nocache, on one engine after a warm-up: (mean TTFT, mean disk load, mean
+    iteration) in seconds. Every one reads its adapter from disk (the baseline forgets
+    idle adapters). The SLO is a multiple of the mean TTFT: what an idle server gives."""
+    from symbiont.serve import Engine, Request, SamplingParams
+
+    config = dataclasses.replace(args.engine, host_cache_bytes=args.host_bytes)
+    counter = LoadCounter()
+    engine = Engine.from_pretrained(args.model_path, config=config, observer=counter)
+    engine.attach_adapter_dir(args.adapter_dir)
+    forget_when_idle(engine.cache)
+    probe = Probe(engine)
+    ttfts = []
+    for i, item in enumerate([trace[0], *trace[:n]]):
+        params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
+        request = Request(f"r{i}", item.prompt, item.adapter, params)
+        probe.arrivals[request.request_id] = request.arrival
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+            if engine.stalled:
+                time.sleep(0.0005)
+        ttfts.append(request.first_token_time - request.arrival)
+    engine.close()
+    loads = counter.load_seconds[1:]
+    return float(np.mean(ttfts[1:])), float(np.mean(loads)), float(np.mean(probe.steps))
 
 
 def engine_request(requests, request_id: str):
     return requests[int(request_id[1:])]
 
 
-def sustained(runs: list[Run], slo: float) -> float:
-    """The largest offered load up to which every load tried keeps P99 TTFT within the
-    SLO (0 if the lightest already misses it)."""
-    held = 0.0
-    for r in sorted(runs, key=lambda r: r.load):
+def sustained(runs: list[Run], slo: float) -> tuple[float, float]:
+    """(the largest offered load up to which every load tried keeps P99 TTFT within the
+    SLO, 0 if the lightest already misses it; that load moved towards the first missing
+    one where the straight line between their log P99s crosses the SLO)."""
+    series = sorted(runs, key=lambda r: r.load)
+    held, crossing = 0.0, 0.0
+    for i, r in enumerate(series):
         if r.pct(99) > slo:
-            break
-        held = r.load
-    return held
+            if i:
+                lo, hi = series[i - 1], r
+                a, b = np.log(lo.pct(99)), np.log(hi.pct(99))
+                crossing = lo.load + (hi.load - lo.load) * (np.log(slo) - a) / (b - a)
+            return held, crossing
+        held = crossing = r.load
+    return held, crossing
 
 
 def plot(runs: dict[str, list[Run]], slo: float, capacity: float, path: Path) -> None:
@@ -300,13 +455,23 @@ def parse_args(argv):
     parser.add_argument("--adapters", type=int, default=40)
     parser.add_argument("--max-loras", type=int, default=8)
     parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--loads", default="0.6,1.0,1.4", help="multiples of capacity")
+    parser.add_argument("--loads", default="0.25,0.5,0.75,1.0,1.25", help="multiples of capacity")
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--host-fraction", type=float, default=0.25)
-    parser.add_argument("--slo-factor", type=float, default=5.0)
+    parser.add_argument(
+        "--slo-factor",
+        type=float,
+        default=10.0,
+        help="SLO on P99 TTFT: this many times the unloaded TTFT (one request at a time)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per point (median P99)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="traces (seeds) per point, TTFTs pooled"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="print where TTFT went for every run"
+    )
     parser.add_argument(
         "--step-cost",
         type=int,
@@ -340,51 +505,80 @@ def main(argv=None) -> int:
         args.adapter_dir = Path(tmp)
         names = make_adapters(args.model_path, args.adapters, args.adapter_dir, args.seed)
         total = sum(f.stat().st_size for f in args.adapter_dir.rglob("*.safetensors"))
-        args.host_bytes = max(1, int(args.host_fraction * total))
+        # the cache counts the host copies of resident adapters against its host budget:
+        # room for the --max-loras largest, plus --host-fraction of all for idle ones
+        sizes = sorted(f.stat().st_size for f in args.adapter_dir.rglob("*.safetensors"))
+        resident = sum(sizes[-args.max_loras :])
+        args.host_bytes = max(1, resident + int(args.host_fraction * total))
         from transformers import AutoConfig
 
         if args.step_cost:
             step_cost(args, names, args.step_cost)
             return 0
         vocab = AutoConfig.from_pretrained(args.model_path).vocab_size
-        trace = make_trace(args, names, vocab)
+        traces = [
+            make_trace(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), names, vocab)
+            for i in range(args.repeats)
+        ]
+        trace = traces[0]
         run(args, "fifo-cost", trace[:20], 0, 1.0)  # warm-up
         saturated = run(args, "fifo-cost", trace, 0, 1.0)
         k = int(0.75 * len(trace))
         capacity = k / saturated.finishes[k - 1]
+        alone, disk_load, iteration = unloaded_ttft(args, trace)
+        slo = args.slo_factor * alone
         print(
             f"model {args.model}, {args.adapters} adapters ({total / 2**20:.1f} MiB, host tier "
-            f"{args.host_bytes / 2**20:.1f} MiB), {args.max_loras} slots, {len(trace)} requests; "
-            f"capacity {capacity:.1f} req/s; load average {os.getloadavg()}"
+            f"{args.host_bytes / 2**20:.1f} MiB), {args.max_loras} slots, {len(trace)} requests "
+            f"x {args.repeats} traces; capacity {capacity:.1f} req/s; load average "
+            f"{os.getloadavg()}"
         )
         print(
-            f"{'system':<13} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'loads':>6}"
+            f"unloaded (one request at a time, fifo-nocache): TTFT {alone * 1e3:.1f} ms mean, "
+            f"of which its adapter's disk load {disk_load * 1e3:.1f} ms (one iteration alone: "
+            f"{iteration * 1e3:.1f} ms); SLO on P99 TTFT = {args.slo_factor:g} x "
+            f"{alone * 1e3:.1f} ms = {slo:.3f} s"
+        )
+        print(describe(saturated).replace("    ", "  saturated run: ", 1))
+        print(
+            f"{'system':<13} {'load':>5} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'tok/s':>7} {'loads':>6}  load avg"
         )
         runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
         for load in loads:
             for system in SYSTEMS:
-                r = run_repeats(args, system, trace, load, capacity)
+                r = run_repeats(args, system, traces, load, capacity)
                 runs[system].append(r)
                 print(
-                    f"{system:<13} {load * capacity:6.1f} {r.pct(50):9.3f} {r.pct(99):9.3f} "
-                    f"{r.throughput:7.1f} {r.loads:6d}",
+                    f"{system:<13} {load:5.2f} {load * capacity:6.1f} {r.pct(50):9.3f} "
+                    f"{r.pct(99):9.3f} {r.throughput:7.1f} {r.loads:6d}  "
+                    f"{os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
+                if args.breakdown:
+                    print(describe(r.parts[0]), flush=True)
         print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
-    lowest = min(runs["fifo-cost"], key=lambda r: r.load)
-    slo = args.slo_factor * float(np.mean(lowest.ttft))
     base = runs["fifo-nocache"]
-    print("\nP99 TTFT vs fifo-nocache at the same load:")
+    print("\nP99 TTFT vs fifo-nocache at the same load (" + ", ".join(map(str, loads)) + "):")
     for system, series in runs.items():
         ratios = " ".join(
             f"{r.pct(99) / b.pct(99):5.2f}" for r, b in zip(series, base, strict=True)
         )
         print(f"  {system:<13} {ratios}")
-    print(f"\nlargest load within the SLO ({slo:.2f} s), x capacity and vs fifo-nocache:")
+    print(
+        f"\nsustained load within the SLO ({slo:.3f} s): largest load tried up to which every "
+        "load meets it / where P99 crosses it (log-linear between loads), x capacity; "
+        "ratio vs fifo-nocache"
+    )
+    ref_held, ref_cross = sustained(base, slo)
     for system, series in runs.items():
-        held, ref = sustained(series, slo), sustained(base, slo)
-        vs = f"{held / ref:.2f}x" if ref else "n/a (fifo-nocache meets the SLO at no load tried)"
-        print(f"  {system:<13} {held:.2f} ({held * capacity:.1f} req/s)  {vs}")
+        held, cross = sustained(series, slo)
+        vs = (
+            f"{held / ref_held:.2f}x / {cross / ref_cross:.2f}x"
+            if ref_held
+            else "n/a (fifo-nocache meets the SLO at no load tried)"
+        )
+        print(f"  {system:<13} {held:.2f} / {cross:.2f} ({cross * capacity:.1f} req/s)  {vs}")
     plot(runs, slo, capacity, Path(args.plot))
     print(f"\nplot: {args.plot}")
     return 0
