@@ -23,6 +23,15 @@ EOS ignored):
    they share with the engine thread) costs each step.
 
 Prints a table of ms per decode step and % of the step; `--json PATH` writes it.
+
+`--fusion-ab ROUNDS` instead times decode steps of one engine in three settings taken in
+turn, ROUNDS times (so a changing load hits all alike), and prints ms per step and the
+ratio to the first: `inference_mode, one call per layer` (the forward before q/k/v and
+gate/up calls were fused), `no_grad, one call per layer` (what the version counter costs)
+and `no_grad, fused` (the engine's default: one executor call and one matmul for q/k/v
+and for gate/up).
+
+    python benchmarks/profile_decode.py --model default --batch 32 --fusion-ab 6
 """
 
 from __future__ import annotations
@@ -233,6 +242,58 @@ def http_cost(args, model: str) -> tuple[float, float, int]:
     return (span - inside) * 1000 / n, inside * 1000 / n, n
 
 
+FUSION_ARMS = (
+    ("inference_mode, one call per layer", True, False),
+    ("no_grad, one call per layer", False, False),
+    ("no_grad, fused q/k/v + gate/up", False, True),
+)
+
+
+def set_fusion(engine, fused: bool) -> None:
+    """Fuse (or not) the engine model's calls on its in-process executor."""
+    from symbiont.client.virt import VirtLayer
+
+    for module in engine.model.modules():
+        if isinstance(module, VirtLayer):
+            executor = module.executor
+            executor.fuses_calls = fused  # the instance's setting hides the class's
+            module.executor = executor  # VirtLayers read it when linked
+
+
+def fusion_ab(args, engine) -> list[tuple[str, float, float]]:
+    """(arm, ms per decode step, ms per forward) of each FUSION_ARMS setting, taken in
+    turn for `args.fusion_ab` rounds of `args.steps` steps each."""
+    _, reqs = requests(args, engine.runner.vocab_size)
+    for request in reqs:
+        engine.add_request(request)
+    while any(seq.num_computed < seq.prompt_len for r in reqs for seq in r.sequences):
+        engine.step()
+    forward = engine.runner.forward
+    step_s, forward_s = defaultdict(float), defaultdict(float)
+    for _ in range(args.fusion_ab):
+        for name, inference_mode, fused in FUSION_ARMS:
+            set_fusion(engine, fused)
+            timers = Timers()
+            mode = torch.inference_mode if inference_mode else contextlib.nullcontext
+
+            def in_mode(batch, mode=mode):
+                with mode():
+                    return forward(batch)
+
+            engine.runner.forward = timers.wrap("forward", in_mode)
+            engine.step()  # warm: the first fused forward learns which layer follows which
+            timers.active = True
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            step_s[name] += time.perf_counter() - start
+            forward_s[name] += timers.total["forward"]
+    engine.runner.forward = forward
+    set_fusion(engine, True)
+    n = args.fusion_ab * args.steps
+    return [(name, step_s[name] * 1000 / n, forward_s[name] * 1000 / n) for name, *_ in FUSION_ARMS]
+
+
 def _vocab(model: str) -> int:
     from transformers import AutoConfig
 
@@ -252,8 +313,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the breakdown here")
+    p.add_argument(
+        "--fusion-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: time decode steps with and without fused q/k/v and gate/up calls",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
+    if args.fusion_ab:
+        args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
     torch.set_num_threads(args.threads)
 
     import symbiont
@@ -265,6 +335,8 @@ def main(argv=None) -> int:
         max_running=args.batch, max_batched_tokens=args.max_batched_tokens, max_queue=args.batch
     )
     engine = Engine.from_pretrained(model, config=config)
+    if args.fusion_ab:
+        return print_fusion_ab(args, model, engine)
     phases, sequences, _ = engine_phases(args, engine)
     split = forward_split(args, engine)
     outside, inside, http_steps = http_cost(args, model)
@@ -300,6 +372,21 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "step_ms": step, "http_ms": outside}, out, indent=1)
+    with contextlib.suppress(Exception):
+        engine.close()
+    return 0
+
+
+def print_fusion_ab(args, model: str, engine) -> int:
+    rows = fusion_ab(args, engine)
+    print(
+        f"model {model}: {args.batch} sequences decoding, prompts {args.prompt_len} tokens, "
+        f"{args.threads} thread(s), {args.fusion_ab} rounds of {args.steps} steps per setting\n"
+    )
+    print("| forward setting | ms/step | ms/forward | step vs first |\n|---|---:|---:|---:|")
+    first = rows[0][1]
+    for name, step, fwd in rows:
+        print(f"| {name} | {step:.2f} | {fwd:.2f} | {step / first:.3f}x |")
     with contextlib.suppress(Exception):
         engine.close()
     return 0

@@ -1,4 +1,10 @@
-"""The base executor: holds each frozen linear weight once and runs it for any client."""
+"""The base executor: holds each frozen linear weight once and runs it for any client.
+
+Linear layers that are siblings of one module with the same input width (an attention
+block's q/k/v/o, a gated MLP's gate/up) are stored back to back in one `[sum_out, in]`
+block, each layer's weight a row-slice view of it: no extra memory, and a fused call on
+layers fed one input (`forward_fused`) is one matmul over a contiguous run of the block.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 from symbiont.model.checkpoint import Checkpoint
 from symbiont.model.layers import (
     LayerKind,
+    LayerSpec,
     base_forward,
     base_input_grad,
     find_base_layers,
@@ -23,8 +30,12 @@ from symbiont.model.moe import (
     load_experts,
 )
 from symbiont.model.skeleton import build_skeleton, checkpoint_key, resolve_dtype
-from symbiont.protocol.executor import Executor, Manifest, Op, check_call
+from symbiont.protocol.executor import Executor, Manifest, Op, check_call, validate_fused
 from symbiont.protocol.experts import check_experts_call
+
+# A row-slice view may start a block only where an unsliced weight could: at 64 bytes, so
+# GEMM kernels see the same alignment (and give the same bits) as on a weight of its own.
+_BLOCK_ALIGN_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,26 @@ class _Weights:
     kind: LayerKind
     weight: torch.Tensor  # [out, in] for LINEAR, [in, out] for CONV1D, as the checkpoint stores it
     bias: torch.Tensor | None  # [out]
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Sibling LINEAR layers stored back to back: their weights are row slices of `weight`."""
+
+    layers: tuple[int, ...]  # layer ids in row order (module order)
+    rows: tuple[tuple[int, int], ...]  # [start, end) rows of each layer in `weight`
+    weight: torch.Tensor  # [sum_out, in]
+    bias: torch.Tensor | None  # [sum_out], when every layer has one
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Layers that form a contiguous run of one block: one matmul computes them all."""
+
+    block: _Block
+    start: int
+    end: int
+    widths: tuple[int, ...]  # out_features of each layer, in the run's order
 
 
 class BaseExecutor(Executor):
@@ -47,11 +78,15 @@ class BaseExecutor(Executor):
         weights: list[_Weights],
         device: torch.device,
         experts: list[torch.nn.Module] = (),
+        blocks: list[_Block] = (),
     ):
         self._manifest = manifest
         self._weights = weights
         self.device = device
         self._experts = list(experts)  # the models' own experts modules, weights loaded
+        self._blocks = list(blocks)
+        self._block_of = {layer: b for b in self._blocks for layer in b.layers}
+        self._runs: dict[tuple[int, ...], _Run | None] = {}  # fused layers -> their rows
 
     @classmethod
     def from_pretrained(
@@ -66,15 +101,13 @@ class BaseExecutor(Executor):
         dtype = resolve_dtype(checkpoint, dtype)
         device = torch.device(device)
         skeleton = build_skeleton(checkpoint.config, dtype)
-        specs, weights = [], []
-        for layer_id, (name, module) in enumerate(find_base_layers(skeleton)):
-            spec = spec_of(layer_id, name, module)
-            specs.append(spec)
-            weights.append(
-                _read_weights(
-                    checkpoint, skeleton, spec.name, spec.kind, spec.has_bias, dtype, device
-                )
-            )
+        specs = [spec_of(i, name, m) for i, (name, m) in enumerate(find_base_layers(skeleton))]
+        blocks = [_alloc_block(group, dtype, device) for group in sibling_groups(specs, dtype)]
+        block_of = {layer: b for b in blocks for layer in b.layers}
+        weights = [
+            _read_weights(checkpoint, skeleton, spec, dtype, device, block_of.get(spec.id))
+            for spec in specs
+        ]
         experts = find_experts(skeleton)
         stacks = [load_experts(checkpoint, skeleton, name, device) for name, _, _ in experts]
         manifest = Manifest(
@@ -83,7 +116,7 @@ class BaseExecutor(Executor):
             tuple(specs),
             experts=tuple(experts_spec(i, *found) for i, found in enumerate(experts)),
         )
-        return cls(manifest, weights, device, stacks)
+        return cls(manifest, weights, device, stacks, blocks)
 
     @property
     def manifest(self) -> Manifest:
@@ -100,6 +133,50 @@ class BaseExecutor(Executor):
             with torch.no_grad():
                 return self._run_on_device(op, layer, x)
         return self._run_on_device(op, layer, x)
+
+    fuses_calls = True  # forward_fused is one matmul over layers stored back to back
+
+    def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """FORWARD of every layer of `layers` on the same x [n_tokens, in] in one call:
+        one matmul when they are a contiguous run of one block (q/k/v, gate/up), else
+        one per layer. -> [[n_tokens, out_l] per layer]; views of one tensor when fused."""
+        validate_fused(self._manifest, layers, x)
+        if torch.is_autocast_enabled(self.device.type):  # as in `call`
+            with torch.autocast(self.device.type, enabled=False), torch.no_grad():
+                return self._fused_on_device(layers, x)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._fused_on_device(layers, x)
+        return self._fused_on_device(layers, x)
+
+    def _fused_on_device(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        if x.device == self.device:
+            return self.run_fused(layers, x)
+        return [y.to(x.device) for y in self.run_fused(layers, x.to(self.device))]
+
+    def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """The math of one (already validated) fused forward on this executor's device."""
+        run = self._runs.get(layers, False)
+        if run is False:
+            run = self._runs[layers] = self._run_of(layers)
+        if run is None:
+            return [self.run(Op.FORWARD, layer, x) for layer in layers]
+        block = run.block
+        bias = None if block.bias is None else block.bias[run.start : run.end]
+        y = torch.nn.functional.linear(x, block.weight[run.start : run.end], bias)
+        return list(y.split(run.widths, dim=1))  # [n_tokens, sum_out] -> per layer
+
+    def _run_of(self, layers: tuple[int, ...]) -> _Run | None:
+        """The block rows of `layers` if they follow each other in one block, else None."""
+        block = self._block_of.get(layers[0])
+        if block is None:
+            return None
+        first = block.layers.index(layers[0])
+        if block.layers[first : first + len(layers)] != layers:
+            return None
+        rows = block.rows[first : first + len(layers)]
+        widths = tuple(end - start for start, end in rows)
+        return _Run(block, rows[0][0], rows[-1][1], widths)
 
     def _run_on_device(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device:
@@ -131,21 +208,66 @@ class BaseExecutor(Executor):
         return experts_backward(module, hidden, ids, weights, grad_y)
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this executor holds (for memory accounting and tests)."""
+        """Every tensor this executor holds (for memory accounting and tests): the
+        blocks and each layer's weight and bias, which may be views into a block."""
+        blocks = [t for b in self._blocks for t in (b.weight, b.bias) if t is not None]
+        return blocks + self._layer_tensors()
+
+    def _layer_tensors(self) -> list[torch.Tensor]:
         stacks = [p for module in self._experts for p in module.parameters()]
         return [t for w in self._weights for t in (w.weight, w.bias) if t is not None] + stacks
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
+        """Bytes of weights held; a block's views are counted once, as their block."""
+        return sum(t.numel() * t.element_size() for t in self._layer_tensors())
 
 
-def _read_weights(checkpoint, skeleton, name, kind, has_bias, dtype, device) -> _Weights:
-    weight = checkpoint.read(
-        checkpoint_key(skeleton, checkpoint, f"{name}.weight"), dtype=dtype, device=device
-    )
-    bias = None
-    if has_bias:
-        bias = checkpoint.read(
-            checkpoint_key(skeleton, checkpoint, f"{name}.bias"), dtype=dtype, device=device
+def sibling_groups(specs: list[LayerSpec], dtype: torch.dtype) -> list[list[LayerSpec]]:
+    """Layers to store back to back: LINEAR siblings (one parent module) with the same
+    input width and all or none with a bias, at least two, and rows that keep each view
+    as aligned as a weight of its own."""
+    groups: dict[tuple, list[LayerSpec]] = {}
+    for spec in specs:
+        if spec.kind is not LayerKind.LINEAR:
+            continue
+        parent = spec.name.rpartition(".")[0]
+        groups.setdefault((parent, spec.in_features, spec.has_bias), []).append(spec)
+    row_bytes = dtype.itemsize
+    return [
+        group
+        for (_, width, _), group in groups.items()
+        if len(group) > 1 and width * row_bytes % _BLOCK_ALIGN_BYTES == 0
+    ]
+
+
+def _alloc_block(group: list[LayerSpec], dtype: torch.dtype, device: torch.device) -> _Block:
+    """An uninitialised block for `group`; `_read_weights` fills each layer's rows."""
+    rows, start = [], 0
+    for spec in group:
+        rows.append((start, start + spec.out_features))
+        start += spec.out_features
+    like = dict(dtype=dtype, device=device)
+    weight = torch.empty(start, group[0].in_features, **like)  # [sum_out, in]
+    bias = torch.empty(start, **like) if group[0].has_bias else None
+    return _Block(tuple(s.id for s in group), tuple(rows), weight, bias)
+
+
+def _read_weights(checkpoint, skeleton, spec: LayerSpec, dtype, device, block) -> _Weights:
+    """A layer's weights from the checkpoint: its own tensors, or its rows of `block`."""
+
+    def read(suffix: str) -> torch.Tensor:
+        key = checkpoint_key(skeleton, checkpoint, f"{spec.name}.{suffix}")
+        return checkpoint.read(key, dtype=dtype, device=device)
+
+    if block is None:
+        return _Weights(
+            spec.kind, read("weight").contiguous(), read("bias") if spec.has_bias else None
         )
-    return _Weights(kind, weight.contiguous(), bias)
+    start, end = block.rows[block.layers.index(spec.id)]
+    weight = block.weight[start:end]
+    weight.copy_(read("weight"))
+    bias = None
+    if block.bias is not None:
+        bias = block.bias[start:end]
+        bias.copy_(read("bias"))
+    return _Weights(spec.kind, weight, bias)

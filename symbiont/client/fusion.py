@@ -2,17 +2,22 @@
 
 A decode step makes one executor call per frozen linear layer, and the round trip, not
 the matmul, dominates it. Attention projections and gated MLPs feed one tensor to
-several layers in a row. The client transport notices this (the same tensor, unmodified,
-passed to consecutive calls), and from then on sends the first layer's call together
-with the layers that followed it; their outputs wait here until the model asks for them.
-No change to the model code: a call whose input is not that very tensor (checked by
-storage address, shape, strides and in-place version) is sent as usual.
+several layers in a row. The client notices this (the same tensor, unmodified, passed to
+consecutive calls), and from then on sends the first layer's call together with the
+layers that followed it; their outputs wait here until the model asks for them. No
+change to the model code: a call whose input is not that very tensor (checked by storage
+address, shape, strides and in-place version) is sent as usual. A remote executor's
+transport does this per connection (`RemoteExecutor`); VirtLayers do it for an
+in-process executor whose `forward_fused` is one matmul (`fusion_for`), per thread.
 
 Tensors made under `torch.inference_mode` keep no version counter, so an in-place edit
 between two calls could not be seen: calls on them are never fused (each is sent alone).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 
@@ -50,6 +55,7 @@ class Fusion:
         self.last: tuple[int, Seen] | None = None
         self.ready: dict[int, torch.Tensor] = {}  # layer -> its output for `ready_x`
         self.ready_x: Seen | None = None
+        self.planner: int | None = None  # the layer whose call computed `ready`
 
     def take(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """The output of `layer` on `x` if a fused call already computed it."""
@@ -60,6 +66,9 @@ class Fusion:
             if layer in self.ready and self.ready_x.matches(x):
                 self.last = (layer, self.ready_x)
                 return self.ready.pop(layer)
+            # Computed for nothing: the model no longer feeds one input to these layers
+            # (e.g. an adapter now scales one layer's input). Learn the order afresh.
+            self.follows.pop(self.planner, None)
             self.ready.clear()
             self.ready_x = None
         return None
@@ -84,9 +93,34 @@ class Fusion:
     def keep(self, x: torch.Tensor, layers: tuple[int, ...], outputs: list[torch.Tensor]) -> None:
         self.ready = dict(zip(layers, outputs, strict=True))
         self.ready_x = self.last[1] if self.last and self.last[1].tensor is x else Seen(x)
+        self.planner = self.last[0] if self.last else None
 
     def forget(self) -> None:
         """Drop held tensors (on close or reconnect)."""
         self.last = None
         self.ready.clear()
         self.ready_x = None
+
+
+class LocalFusion(Fusion, threading.local):
+    """A `Fusion` per thread: a serving engine and a fine-tuning job may call one
+    in-process executor from two threads at once, each with its own order of calls."""
+
+    def __reduce__(self):
+        # A copied model (deepcopy, pickle) starts with fresh state: what is held here
+        # is the original's tensors, and a copy has its own executor copy to fuse on.
+        return (LocalFusion, ())
+
+
+_IN_PROCESS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+def fusion_for(executor) -> LocalFusion:
+    """The fusion state of the VirtLayers calling `executor` (one per executor and
+    thread: layer ids and held outputs belong to one executor)."""
+    with _IN_PROCESS_LOCK:
+        fusion = _IN_PROCESS.get(executor)
+        if fusion is None:
+            fusion = _IN_PROCESS[executor] = LocalFusion()
+        return fusion

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from symbiont.client.fusion import Fusion, fusion_for
 from symbiont.model.layers import LayerSpec
 from symbiont.protocol.executor import Executor, Op
 
@@ -23,12 +24,14 @@ class _BaseLayerCall(torch.autograd.Function):
 
     Saves no tensors: a frozen linear layer's input gradient needs only the weight,
     which the executor already holds (Symbiosis 3.6). So neither side keeps activations.
+    One node per layer, also when the forward was fused: autograd then sums grad_x over
+    q/k/v in the order vanilla's own Linear nodes do, so gradients stay bitwise equal.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: VirtLayer) -> torch.Tensor:
         ctx.layer = layer
-        return layer.call_executor(Op.FORWARD, x)
+        return _owned(layer.call_executor(Op.FORWARD, x))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -36,11 +39,28 @@ class _BaseLayerCall(torch.autograd.Function):
         return grad_x, None
 
 
+def _owned(y: torch.Tensor) -> torch.Tensor:
+    """y, or a copy of it when it is a view of a fused call's output: autograd forbids
+    in-place edits (AdaLoRA's `result +=`) of views made without grad. [n, out] -> same"""
+    return y if y._base is None else y.clone(memory_format=torch.contiguous_format)
+
+
 class VirtLayer:
     """Mixin holding the executor link; concrete classes also subclass the replaced type."""
 
-    executor: Executor
     spec: LayerSpec
+    _fusion: Fusion | None = None
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        # Forward calls fuse (q/k/v, gate/up: one call, one matmul) when the executor
+        # computes them in one pass; a wrapper (masking, priority gates) is called alone.
+        self._executor = executor
+        self._fusion = fusion_for(executor) if executor.fuses_calls else None
 
     def _link(self, executor: Executor, spec: LayerSpec, dtype: torch.dtype, device) -> None:
         self.executor = executor
@@ -61,18 +81,41 @@ class VirtLayer:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [n_tokens, in]: the executor sees flattened tokens
-        if torch.is_grad_enabled() and x.requires_grad:
+        if not torch.is_grad_enabled():
+            y = self.call_executor(Op.FORWARD, flat)
+        elif x.requires_grad:
             y = _BaseLayerCall.apply(flat, self)
         else:
-            y = self.call_executor(Op.FORWARD, flat)
+            y = _owned(self.call_executor(Op.FORWARD, flat))
         return y.view(*x.shape[:-1], self.spec.out_features)
 
     def call_executor(self, op: Op, x: torch.Tensor) -> torch.Tensor:
         """One executor call in the executor's dtype; the result comes back in x's dtype.
         x [n_tokens, width_in] -> [n_tokens, width_out]"""
+        if self._fusion is not None and op is Op.FORWARD:
+            return self._forward_fused(self._fusion, x)
         if x.dtype == self.wire_dtype:  # the common case: skip two no-op casts per call
-            return self.executor.call(op, self.spec.id, x)
-        return self.executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
+            return self._executor.call(op, self.spec.id, x)
+        return self._executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
+
+    def _forward_fused(self, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+        """This layer's output on x, computed by one call with the layers that follow it
+        on the same x (or taken from such a call). x [n_tokens, in] -> [n_tokens, out],
+        possibly a view of the fused call's [n_tokens, sum_out]."""
+        layer = self.spec.id
+        ready = fusion.take(layer, x)
+        if ready is not None:
+            return ready
+        extra = fusion.plan(layer, x)
+        wire = x if x.dtype == self.wire_dtype else x.to(self.wire_dtype)
+        if not extra:
+            y = self._executor.call(Op.FORWARD, layer, wire)
+            return y if wire is x else y.to(x.dtype)
+        outs = self._executor.forward_fused((layer, *extra), wire)
+        if wire is not x:
+            outs = [y.to(x.dtype) for y in outs]
+        fusion.keep(x, extra, outs[1:])
+        return outs[0]
 
     def _apply(self, fn, recurse=True):
         # Module.to()/cuda()/half() would materialise the expanded weight; move the

@@ -127,6 +127,16 @@ class Executor(ABC):
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.call(Op.FORWARD, layer, x)
 
+    # True when `forward_fused` computes its layers in one pass (one matmul), so a client
+    # should group the calls that feed one input to several layers; the default runs
+    # them one by one (a transport may still fuse on its own, as RemoteExecutor does).
+    fuses_calls: bool = False
+
+    def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """FORWARD of each of `layers` (at most 1 + MAX_FUSED, equal input widths) on the
+        same x [n_tokens, in] -> [[n_tokens, out_l] per layer], in `layers` order."""
+        return [self.call(Op.FORWARD, layer, x) for layer in layers]
+
     def backward(self, layer: int, grad_y: torch.Tensor) -> torch.Tensor:
         return self.call(Op.BACKWARD, layer, grad_y)
 
@@ -162,6 +172,16 @@ def check_call(manifest: Manifest, op: Op, layer: int, x: torch.Tensor) -> None:
     """Refuse a malformed tensor call with a message that says what to fix."""
     try:
         validate_call(manifest, op, layer, tuple(x.shape), x.dtype)
+    except ProtocolError as err:
+        raise ExecutorError(str(err)) from None
+
+
+def validate_fused(manifest: Manifest, layers: tuple[int, ...], x: torch.Tensor) -> None:
+    """Refuse a malformed fused forward (`Executor.forward_fused`) naming the fix."""
+    if not layers:
+        raise ExecutorError("a fused call needs at least one layer")
+    try:
+        validate_call(manifest, Op.FORWARD, layers[0], tuple(x.shape), x.dtype, layers[1:])
     except ProtocolError as err:
         raise ExecutorError(str(err)) from None
 
