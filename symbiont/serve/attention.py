@@ -135,17 +135,19 @@ def _pool_rows_attention(
     """Decoding sequences read in place from the pool -> [n_seqs, heads, hd]."""
     heads, hd = q.shape[0], q.shape[2]
     kv_heads = k_pool.shape[0]
-    qr = q.new_zeros(rows.n_rows, heads, hd)  # rows that are no sequence keep a zero query
-    qr.index_copy_(0, rows.index, _rows(q, group).transpose(0, 1))
+    qr = _rows(q, group).transpose(0, 1)  # [n_seqs, heads, hd]
+    if not rows.in_order:  # rows that are no sequence keep a zero query
+        qr = q.new_zeros(rows.n_rows, heads, hd).index_copy_(0, rows.index, qr)
     kr = _row_view(k_pool, rows, group.kv_width)  # [n_rows, kv_heads, kv_width, hd]
     vr = _row_view(v_pool, rows, group.kv_width)
     mask = group.mask(window, q.dtype)  # [n_rows, 1, 1, kv_width]
     if softcap is not None:
         out = _eager(qr[:, :, None], kr, vr, mask, scale, softcap)  # [n_rows, heads, 1, hd]
     else:
-        folded = qr.view(rows.n_rows, kv_heads, heads // kv_heads, hd)
+        folded = qr.reshape(rows.n_rows, kv_heads, heads // kv_heads, hd)
         out = F.scaled_dot_product_attention(folded, kr, vr, attn_mask=mask, scale=scale)
-    return out.reshape(rows.n_rows, heads, hd).index_select(0, rows.index)
+    out = out.reshape(rows.n_rows, heads, hd)
+    return out if rows.in_order else out.index_select(0, rows.index)
 
 
 def _row_view(pool: torch.Tensor, rows: PoolRows, width: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ class PoolRows:
     stride: int  # slots between consecutive rows
     n_rows: int
     index: torch.Tensor  # [n_seqs] view row of each sequence, in the group's query order
+    in_order: bool = False  # index is 0, 1, ..., n_rows - 1: queries and rows coincide
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,11 @@ class PagedKVCache:
         created like `like` `[n_tokens, kv_heads, head_dim]` on first use."""
         if layer not in self._keys:
             shape = (like.shape[1], self.num_slots, like.shape[2])
-            self._keys[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-            self._values[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            # never inference tensors, wherever first used (a prefix written at admission
+            # under inference_mode): the forward may run under no_grad and write into them
+            with torch.inference_mode(False):
+                self._keys[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+                self._values[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self._keys[layer], self._values[layer]
 
     def pools(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,8 +133,8 @@ class ModelRunner:
         groups = []
         in_place = self._pool_rows(decode)
         if in_place is not None:
-            members, rows = in_place
-            groups.append(self._attn_group(members, 1, offsets, rows))
+            members, plan = in_place
+            groups.append(self._attn_group(members, 1, offsets, plan))
             chosen = {id(item) for item in members}
             decode = [item for item in decode if id(item) not in chosen]
         if decode:
@@ -168,20 +168,19 @@ class ModelRunner:
                 continue
             if best is None or len(members) > len(best[0]):
                 index = [(first - lo) // align for first in firsts]
-                best = (members, PoolRows(lo * block, align * block, n_rows, index))
+                best = (members, _RowsPlan(lo * block, align * block, n_rows, index))
         if best is None:
             return None
-        members, rows = best
-        return members, dataclasses.replace(rows, index=self._tensor(rows.index))
+        return best
 
     def _attn_group(
         self,
         items: list[ScheduledSeq],
         n_queries: int,
         offsets: dict[int, int],
-        rows: PoolRows | None = None,
+        plan: _RowsPlan | None = None,
     ) -> AttnGroup:
-        """`items` all compute `n_queries` tokens this iteration; with `rows` (decoding
+        """`items` all compute `n_queries` tokens this iteration; with `plan` (decoding
         sequences read in place), positions and lengths are laid out per view row."""
         firsts = [offsets[id(item)] for item in items]
         starts = [item.start for item in items]
@@ -195,11 +194,14 @@ class ModelRunner:
         tokens = None
         if not contiguous:
             tokens = (torch.tensor(firsts)[:, None] + step[None, :]).flatten().to(self.device)
-        if rows is not None:  # a row that is no sequence attends to position 0 only
-            index = rows.index.cpu()
-            q_pos = torch.zeros(rows.n_rows, 1, dtype=torch.long).index_copy_(0, index, q_pos)
-            kv_len = torch.ones(rows.n_rows, dtype=torch.long).index_copy_(0, index, kv_len)
+        rows = None
+        if plan is not None:  # a row that is no sequence attends to position 0 only
+            index = torch.tensor(plan.index)
+            q_pos = torch.zeros(plan.n_rows, 1, dtype=torch.long).index_copy_(0, index, q_pos)
+            kv_len = torch.ones(plan.n_rows, dtype=torch.long).index_copy_(0, index, kv_len)
             blocks, kv_width = None, max(starts) + 1
+            in_order = plan.index == list(range(plan.n_rows))
+            rows = PoolRows(plan.first, plan.stride, plan.n_rows, index.to(self.device), in_order)
         elif fresh:
             blocks, kv_width = None, n_queries
         else:
@@ -230,6 +232,16 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _RowsPlan:
+    """Where the in-place decode view lies (PoolRows before its index becomes a tensor)."""
+
+    first: int  # pool slot of row 0
+    stride: int  # slots between rows
+    n_rows: int
+    index: list[int]  # view row of each member sequence
 
 
 def _offsets(scheduled: list[ScheduledSeq]) -> dict[int, int]:
