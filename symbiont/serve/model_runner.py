@@ -66,7 +66,9 @@ class ModelRunner:
         return StepLogits(logits[: batch.n_samples], prompt)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        with torch.inference_mode(), use_context(batch.ctx):
+        # no_grad, not inference_mode: tensors keep a version counter, which lets the
+        # VirtLayers fuse q/k/v and gate/up into one executor call (client/fusion.py)
+        with torch.no_grad(), use_context(batch.ctx):
             inputs = {"input_ids": batch.ids[None]}
             if batch.virtual_rows is not None:  # peft's inputs_embeds, virtual rows put in
                 embeds = self.model.get_input_embeddings()(batch.ids)  # [n_tokens, hidden]
