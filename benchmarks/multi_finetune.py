@@ -11,6 +11,10 @@ Three ways of running the same N jobs on the same cores, each measured in this r
   so every process holds a private fp32 copy (as it would after a dtype change, a move
   to a device, or quantisation).
 - `symbiont`: one `serve-base` holding the fp32 weights once, N clients without them.
+- `inprocess` / `inprocess-unfused`: each job hosts its own `BaseExecutor` in-process
+  (`symbiont finetune` without `--executor`), with q/k/v and gate/up forward calls fused
+  into one call and one matmul (the default), or one call per layer: throughput of the
+  placement, not memory (each such job holds its own weights).
 
 Memory is PSS (proportional set size: shared pages divided among the processes that map
 them) of every process of an arm, read from /proc/PID/smaps_rollup at the same instant
@@ -19,6 +23,12 @@ first start) over a window that all N jobs measure together (they load, take a w
 step, then wait at a barrier).
 
     python benchmarks/multi_finetune.py --model 100m --jobs 1,2,4 --steps 3
+
+`--fusion-ab ROUNDS` instead trains three models in one process, a few steps each in
+turn for ROUNDS rounds (so a changing load hits all alike): vanilla, the split over an
+in-process executor with fused q/k/v and gate/up calls, and the same split unfused.
+
+    python benchmarks/multi_finetune.py --model 4m --fusion-ab 8 --steps 5 --batch 4
 
 For the split it also prints where a client's step goes: time inside executor calls
 (the client's clock) split into the executor's matmuls, waiting in its queue for batch
@@ -42,6 +52,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MODELS = {
+    "4m": dict(  # ~4M parameters (benchmarks/peers' small Llama): Python per call shows
+        vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
+    ),
     "100m": dict(  # ~98M parameters, 0.39 GB in fp32: for iterating on a shared machine
         vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=12,
@@ -55,7 +69,8 @@ MODELS = {
         num_attention_heads=16, num_key_value_heads=16,
     ),
 }  # fmt: skip
-ARMS = ("vanilla", "private", "symbiont")
+ARMS = ("vanilla", "private", "symbiont", "inprocess", "inprocess-unfused")
+IN_PROCESS = ("inprocess", "inprocess-unfused")
 
 
 # --------------------------------------------------------------------------- worker
@@ -130,6 +145,10 @@ def _load(args):
         return model, CallTimer()
     import symbiont
 
+    if args.mode in IN_PROCESS:
+        executor = symbiont.BaseExecutor.from_pretrained(args.model)
+        executor.fuses_calls = args.mode == "inprocess"
+        return symbiont.load_client(args.model, executor), CallTimer(executor)
     options = {} if args.spin_us is None else {"spin_us": args.spin_us}
     executor = symbiont.connect(args.executor, **options)
     timer = CallTimer(executor)
@@ -336,7 +355,7 @@ def report(rows: list[dict[str, Outcome]]) -> str:
     arms = [a for a in ARMS if a in rows[0]]
     head = f"{'N':>3} " + " ".join(f"{a + ' tok/s':>15}" for a in arms)
     head += " " + " ".join(f"{a + ' GiB':>13}" for a in arms)
-    baselines = [a for a in arms if a != "symbiont"]
+    baselines = [a for a in arms if a in ("vanilla", "private")]
     if "symbiont" in arms:
         head += " " + " ".join(f"{'tput/' + b:>13} {'mem/' + b:>12}" for b in baselines)
     lines = [head]
@@ -350,6 +369,12 @@ def report(rows: list[dict[str, Outcome]]) -> str:
                 line += f" {s.tokens_per_s / row[b].tokens_per_s:>12.2f}x"
                 line += f" {s.peak_pss / row[b].peak_pss:>11.2f}x"
         lines.append(line)
+    for a in (a for a in IN_PROCESS if a in arms and "vanilla" in arms):
+        ratios = ", ".join(
+            f"N={row[a].jobs}: {row[a].tokens_per_s / row['vanilla'].tokens_per_s:.2f}x"
+            for row in rows
+        )
+        lines.append(f"{a} throughput / vanilla: {ratios}")
     last = rows[-1]
     lines += ["", f"per process at N={last[arms[0]].jobs} (peak PSS):"]
     for a in arms:
@@ -429,6 +454,13 @@ def main(argv=None) -> int:
         "--max-wait-ms", type=float, default=None, help="serve-base --max-wait-ms (batching wait)"
     )
     parser.add_argument("--work", default=None, help="folder for the models and logs")
+    parser.add_argument(
+        "--fusion-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: vanilla vs in-process split with and without fused calls, one process",
+    )
     args = parser.parse_args(argv)
     if args.command == "worker":
         worker(args)
@@ -439,6 +471,12 @@ def main(argv=None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="multi-finetune-"))
     work.mkdir(parents=True, exist_ok=True)
     models = build_models(work / f"model-{args.model}", MODELS[args.model])
+    if args.fusion_ab:
+        print(f"model {args.model}, LoRA r={args.rank} on {args.targets}, batch {args.batch} x "
+              f"seq {args.seq}, {args.worker_threads} thread(s), {args.fusion_ab} rounds of "
+              f"{args.steps} steps per model\n")  # fmt: skip
+        print(fusion_ab(args, models[0]))
+        return 0
     print(f"model {args.model} ({_params(models[0]) / 1e6:.0f}M parameters, fp32); LoRA r="
           f"{args.rank} on {args.targets}; batch {args.batch} x seq {args.seq}, {args.steps} "
           f"measured steps per job; {os.cpu_count()} cores", flush=True)  # fmt: skip
@@ -452,6 +490,58 @@ def main(argv=None) -> int:
     print()
     print(report(rows))
     return 0
+
+
+def fusion_ab(args, model_dir: Path) -> str:
+    """tokens/s of vanilla, fused and unfused in-process split training, steps interleaved."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import symbiont
+
+    torch.set_num_threads(args.worker_threads)
+    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
+    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets)
+    models = {"vanilla": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)}
+    for name, fused in (("split, fused calls", True), ("split, one call per layer", False)):
+        executor = symbiont.BaseExecutor.from_pretrained(model_dir)
+        executor.fuses_calls = fused
+        models[name] = symbiont.load_client(model_dir, executor)
+    steps, seconds = {}, dict.fromkeys(models, 0.0)
+    for name, model in models.items():
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, config).train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        steps[name] = _train_step(model, torch.optim.AdamW(params, lr=2e-4), args)
+        steps[name]()  # warm: allocator, optimizer state, the fused calls' order
+    for _ in range(args.fusion_ab):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            seconds[name] += time.perf_counter() - start
+    tokens = args.fusion_ab * args.steps * args.batch * args.seq
+    lines = ["| training | tokens/s | vs vanilla |", "|---|---:|---:|"]
+    for name in models:
+        rate = tokens / seconds[name]
+        lines.append(f"| {name} | {rate:.0f} | {seconds['vanilla'] / seconds[name]:.2f}x |")
+    return "\n".join(lines)
+
+
+def _train_step(model, optimizer, args):
+    import torch
+
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _params(model_dir: Path) -> int:
