@@ -104,3 +104,19 @@ def test_serve_packs_unless_jobs_train_through_its_executor(checkpoints, tmp_pat
         layer = server.state.engine.engine.model.model.layers[0].self_attn.q_proj
         executor = getattr(layer, "base_layer", layer).executor
         assert isinstance(executor, PrepackedExecutor) is not jobs
+
+
+@pytest.mark.parametrize("min_weights", [0, MIN_PACKED_WEIGHTS])
+def test_fused_calls_give_what_separate_calls_give(checkpoints, min_weights):
+    plain = BaseExecutor.from_pretrained(checkpoints("llama"))
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), min_weights)
+    names = {s.name: s.id for s in plain.manifest.layers}
+    qkv = tuple(names[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv")
+    x = torch.randn(5, plain.manifest.layers[qkv[0]].in_features)
+    for want, got in zip(plain.forward_fused(qkv, x), packed.forward_fused(qkv, x), strict=True):
+        assert torch.allclose(got, want, atol=ATOL, rtol=RTOL)
+    if not packed.packed_layers:  # unpacked modules keep their block: the very same bits
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(plain.forward_fused(qkv, x), packed.forward_fused(qkv, x), strict=True)
+        )

@@ -54,7 +54,10 @@ class PrepackedExecutor(BaseExecutor):
             weights.append(w)
         # Plain weights may be views of one block per module (q/k/v/o; gate/up/down): a
         # module's layers are packed all or none, so no view keeps a packed one's rows alive.
-        super().__init__(base.manifest, weights, base.device, base._experts)
+        # Unpacked modules keep their blocks, so their fused calls stay one matmul; packed
+        # layers of a fused call run one packed product each.
+        blocks = [b for b in base._blocks if not chosen.intersection(b.layers)]
+        super().__init__(base.manifest, weights, base.device, base._experts, blocks)
 
     @property
     def packed_layers(self) -> frozenset[int]:
