@@ -14,7 +14,7 @@ One layer's attention for `n` decoding sequences (one query each) with contexts 
   gather, query heads folded onto their KV head);
 - in place: sequences on aligned runs read as rows of one strided view of the pool, no
   copy; `in place, 2 rows/seq`: the same with one row computed for nothing per sequence
-  (the view's waste limit, MAX_ROWS_PER_SEQ in model_runner.py);
+  (what sets the view's waste limit, MAX_ROWS_PER_SEQ in model_runner.py);
 - per sequence: one SDPA call per sequence over a view of its run (no mask), the other
   way to read in place.
 

@@ -188,11 +188,11 @@ def test_runs_and_scattered_sequences_decode_together(variant, monkeypatch, one_
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa"], indirect=True)
-@pytest.mark.parametrize("rows_between", [2 * MAX_ROWS_PER_SEQ - 1, 2 * MAX_ROWS_PER_SEQ])
+@pytest.mark.parametrize("rows_between", [int(2 * MAX_ROWS_PER_SEQ) - 1, int(2 * MAX_ROWS_PER_SEQ)])
 def test_the_view_limit_on_rows_computed_for_nothing(variant, rows_between, monkeypatch):
     """Two runs `rows_between` rows apart: the view would span rows_between + 1 rows for
-    two sequences; at most MAX_ROWS_PER_SEQ per sequence it is read in place, past it the
-    two are gathered. Same logits and tokens either way."""
+    two sequences; at most MAX_ROWS_PER_SEQ rows per sequence it is read in place, past
+    it the two are gathered. Same logits and tokens either way."""
     base, reference = variant
     engine = engine_for(base)
     held = hold(engine, {0, 1, 2, 3} | {4 * rows_between + b for b in range(4)})

@@ -5,8 +5,9 @@ query heads (all of them: 4 query heads on 2 KV heads).
 
 Prompts are longer than the windows and the token budget is small, so every path of
 `symbiont/serve/attention.py` runs: a first chunk attending over its own keys, later
-chunks and decoding sequences gathering their context from the paged pool, decoding
-sequences of different lengths batched under one mask.
+chunks gathering their context from the paged pool, decoding sequences of different
+lengths batched under one mask and read in place from their aligned block runs
+(tests/test_kv_runs.py mixes those with decoding sequences on scattered blocks).
 """
 
 from __future__ import annotations

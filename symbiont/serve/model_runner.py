@@ -23,9 +23,10 @@ from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.scheduler import ScheduledSeq
 
 # A decode view may compute at most this many rows per sequence it serves: rows between
-# the sequences' runs are computed for nothing, and past 2 per sequence the view no longer
-# beats gathering (benchmarks/decode_attention.py, BENCHMARKS.md issue 17).
-MAX_ROWS_PER_SEQ = 2
+# the sequences' runs are computed for nothing. At 2 per sequence the view only ties with
+# gathering at 256+ tokens of context and loses 1.2-1.5x below 128 (at 1 it wins 1.2-1.9x
+# below 256 and 2-4x above; benchmarks/decode_attention.py, BENCHMARKS.md issue 17).
+MAX_ROWS_PER_SEQ = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +153,8 @@ class ModelRunner:
         A sequence qualifies when its blocks are one run the allocator aligned to its size
         class (kv_cache.py). The view's row stride is one class's alignment; sequences
         whose runs start on that lattice are its rows. The class giving the most rows is
-        chosen, provided rows that are no sequence (computed for nothing) stay at most
-        `MAX_ROWS_PER_SEQ - 1` per sequence and the view stays inside the pool."""
+        chosen, provided the view computes at most `MAX_ROWS_PER_SEQ` rows per sequence
+        (rows that are no sequence are computed for nothing) and stays inside the pool."""
         allocator, block = self.kv_cache.allocator, self.kv_cache.block_size
         runs = [item for item in decode if allocator.is_run(item.seq.blocks)]
         best = None
