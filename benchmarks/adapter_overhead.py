@@ -13,7 +13,8 @@ The same trace (--requests prompts of random token ids, lengths drawn from --pro
 --max-tokens greedy tokens each, EOS ignored) is submitted at once, so the engine keeps
 --max-running sequences in flight (a closed loop with no think time). Request i uses
 adapter perm[i % adapters] for a seeded permutation, so every batch mixes as many distinct
-adapters as it has sequences: the worst case for grouping rows by adapter. Runs, each
+adapters as it has sequences: the worst case for grouping rows by adapter (--zipf S draws
+adapters with Zipf popularity instead, as benchmarks/serve.py does). Runs, each
 --repeats times, interleaved so a loaded machine moves them alike:
 
   base               an engine with no adapter loaded
@@ -24,10 +25,12 @@ adapters as it has sequences: the worst case for grouping rows by adapter. Runs,
                      from the host tier into N slots as requests need them (--cache-slots,
                      0 skips it)
 
-Prints generated tokens/s (prefill included), the median decode-only step time, and the
-ratios to "base" from the same repeat (median over repeats). --breakdown adds where the
-adapters' decode steps go: the base calls inside adapter layers, the adapter math around
-them, and the per-step adapter metadata (`adapter_batch`).
+Prints generated tokens per CPU second of the process (prefill included; with one torch
+thread, CPU time is what the work cost, and it moves far less than wall time when other
+jobs share the cores), the same per wall second, the median decode-only step's CPU time,
+and the ratios to "base" from the same repeat (median over repeats). --breakdown adds
+where the adapters' run spends its CPU time: the base calls inside adapter layers, the
+adapter math around them, and the per-step adapter metadata (`adapter_batch`).
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ def build_adapters(model: Path, folder: Path, n: int, ranks: list[int], targets:
 
 
 class StepTimer:
-    """Wall time of every `Engine.step`, and whether it only decoded (one token per
-    scheduled sequence), read from what the runner prepared."""
+    """CPU time of every `Engine.step` (this thread's: other processes on a loaded
+    machine do not count), and whether it only decoded (one token per scheduled
+    sequence), read from what the runner prepared."""
 
     def __init__(self, engine):
-        self.decode_steps: list[tuple[float, int]] = []  # (seconds, sequences)
+        self.decode_steps: list[tuple[float, int]] = []  # (CPU seconds, sequences)
         self._decode_only, self._batch = False, 0
         prepare, step = engine.runner.prepare, engine.step
 
@@ -115,10 +119,10 @@ class StepTimer:
 
         def timed_step():
             self._decode_only = False
-            start = time.perf_counter()
+            start = time.thread_time()
             out = step()
             if self._decode_only:
-                self.decode_steps.append((time.perf_counter() - start, self._batch))
+                self.decode_steps.append((time.thread_time() - start, self._batch))
             return out
 
         engine.runner.prepare, engine.step = timed_prepare, timed_step
@@ -134,8 +138,9 @@ class StepTimer:
 
 
 class Breakdown:
-    """Time inside `AdapterLayer.forward`, inside its base calls, and in `adapter_batch`,
-    while `active` (plain timers; the adapter math is the layer's time less its base's)."""
+    """CPU time inside `AdapterLayer.forward`, inside its base calls, and in
+    `adapter_batch`, while `active` (the adapter math is the layer's time less its
+    base's)."""
 
     def __init__(self, engine):
         import symbiont.serve.model_runner as runner_module
@@ -155,11 +160,11 @@ class Breakdown:
         def timed(*args, **kw):
             if not self.active:
                 return fn(*args, **kw)
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return fn(*args, **kw)
             finally:
-                self.total[name] += time.perf_counter() - start
+                self.total[name] += time.thread_time() - start
 
         return timed
 
@@ -170,18 +175,24 @@ def make_trace(args, vocab: int, n_adapters: int):
     lengths = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
     prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
     order = torch.randperm(n_adapters, generator=gen).tolist()
-    return prompts, [order[i % n_adapters] for i in range(args.requests)]
+    if not args.zipf:
+        return prompts, [order[i % n_adapters] for i in range(args.requests)]
+    popularity = 1.0 / torch.arange(1, n_adapters + 1, dtype=torch.float64) ** args.zipf
+    picks = torch.multinomial(popularity, args.requests, replacement=True, generator=gen)
+    return prompts, [order[i] for i in picks.tolist()]
 
 
-def run(engine, prompts, names, params, timer: StepTimer) -> tuple[float, float, float]:
-    """-> (generated tokens/s, median decode-only step ms, median decode batch)"""
+def run(engine, prompts, names, params, timer: StepTimer) -> tuple[float, float, float, float]:
+    """-> (generated tokens per CPU second, median decode-only step CPU ms, median decode
+    batch, generated tokens per wall second). CPU time is the process's (the cache's
+    loader threads count): on a shared machine it moves far less than wall time."""
     timer.reset()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = engine.generate(prompts, names, params)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o) for o in outputs)
     assert tokens == len(prompts) * params.max_tokens, "EOS is ignored: every request runs out"
-    return tokens / seconds, timer.median_ms(), timer.median_batch()
+    return tokens / cpu_seconds, timer.median_ms(), timer.median_batch(), tokens / seconds
 
 
 def main(argv=None) -> int:
@@ -194,6 +205,12 @@ def main(argv=None) -> int:
         "--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64]
     )
     p.add_argument("--targets", choices=sorted(TARGETS), default="attn")
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=0.0,
+        help="adapter popularity exponent (0: each adapter in turn, as distinct as can be)",
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=lambda s: tuple(map(int, s.split(":"))), default=(16, 64))
     p.add_argument("--max-tokens", type=int, default=32)
@@ -261,36 +278,40 @@ def main(argv=None) -> int:
         run(engine, prompts[: args.max_running], names[run_name][: args.max_running],
             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
             timers[id(engine)])  # fmt: skip
-    results = defaultdict(list)  # run -> [(tokens/s, step ms, batch)]
+    results = defaultdict(list)  # run -> [(tokens/CPU s, step CPU ms, batch, tokens/s)]
     for repeat in range(args.repeats):
         for run_name, engine in engines.items():
             results[run_name].append(
                 run(engine, prompts, names[run_name], params, timers[id(engine)])
             )
-            rate, step, batch = results[run_name][-1]
-            print(f"  repeat {repeat}: {run_name:<14} {rate:8.1f} tok/s  decode step {step:6.1f} ms"
-                  f" (batch {batch:.0f})", flush=True)  # fmt: skip
+            rate, step, batch, wall = results[run_name][-1]
+            print(f"  repeat {repeat}: {run_name:<14} {rate:7.1f} tok/CPU-s {wall:7.1f} tok/s"
+                  f"  decode step {step:6.1f} CPU ms (batch {batch:.0f})", flush=True)  # fmt: skip
 
-    print("\n| run | tokens/s | vs base | decode step ms | vs base | decode batch |")
-    print("|---|---:|---:|---:|---:|---:|")
+    def median_ratio(run_name: str, field: int) -> float:
+        pairs = zip(results[run_name], results["base"], strict=True)
+        return statistics.median(mine[field] / base[field] for mine, base in pairs)
+
+    def median(run_name: str, field: int) -> float:
+        return statistics.median(r[field] for r in results[run_name])
+
+    print(
+        "\n| run | tokens per CPU s | vs base | decode step CPU ms | vs base | decode batch "
+        "| tokens per wall s | vs base |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for run_name in engines:
-        rate = statistics.median(r for r, _, _ in results[run_name])
-        step = statistics.median(s for _, s, _ in results[run_name])
-        batch = statistics.median(b for _, _, b in results[run_name])
-        ratio = statistics.median(
-            r / b for (r, _, _), (b, _, _) in zip(results[run_name], results["base"], strict=True)
-        )
-        step_ratio = statistics.median(
-            s / b for (_, s, _), (_, b, _) in zip(results[run_name], results["base"], strict=True)
-        )
         print(
-            f"| {run_name} | {rate:.1f} | {ratio:.3f} | {step:.1f} | {step_ratio:.3f} | {batch:.0f} |"
+            f"| {run_name} | {median(run_name, 0):.1f} | {median_ratio(run_name, 0):.3f} "
+            f"| {median(run_name, 1):.1f} | {median_ratio(run_name, 1):.3f} "
+            f"| {median(run_name, 2):.0f} | {median(run_name, 3):.1f} "
+            f"| {median_ratio(run_name, 3):.3f} |"
         )
     resident = f"{args.adapters} resident"
-    cost = 1 - statistics.median(
-        r / b for (r, _, _), (b, _, _) in zip(results[resident], results["base"], strict=True)
+    cost, wall_cost = 1 - median_ratio(resident, 0), 1 - median_ratio(resident, 3)
+    print(
+        f"\n{resident}: throughput {100 * cost:.1f}% below base only per CPU second "
+        f"({100 * wall_cost:.1f}% per wall second; target <= 10%)"
     )
-    print(f"\n{resident}: throughput {100 * cost:.1f}% below base only (target <= 10%)")
 
     if args.breakdown:
         breakdown = Breakdown(lora)
@@ -300,14 +321,14 @@ def main(argv=None) -> int:
         breakdown.active = False
         total = breakdown.total
         math = total["adapter layers"] - total["base inside adapter layers"]
-        print(f"\nwhere the {resident} run's time goes (one more run, plain timers):")
+        print(f"\nwhere the {resident} run's CPU time goes (one more run):")
         for name, seconds in (
             ("forward", total["forward"]),
             ("  base calls inside adapter layers", total["base inside adapter layers"]),
             ("  adapter math in adapter layers", math),
             ("adapter_batch (per-step metadata)", total["adapter_batch"]),
         ):
-            print(f"  {name:<38} {seconds:7.2f} s")
+            print(f"  {name:<38} {seconds:7.2f} s {100 * seconds / total['forward']:5.1f}%")
     for engine in set(engines.values()):
         engine.close()
     return 0
