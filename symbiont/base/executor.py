@@ -59,10 +59,25 @@ class _Block:
 class _Run:
     """Layers that form a contiguous run of one block: one matmul computes them all."""
 
-    block: _Block
-    start: int
-    end: int
+    weight: torch.Tensor  # [sum_out, in] rows of the block (a view)
+    bias: torch.Tensor | None  # [sum_out]
     widths: tuple[int, ...]  # out_features of each layer, in the run's order
+    in_features: int
+
+
+def _runs_of(block: _Block) -> dict[tuple[int, ...], _Run]:
+    """Every contiguous run of two or more layers of `block` (views made once, at load)."""
+    runs = {}
+    for first in range(len(block.layers)):
+        for last in range(first + 1, len(block.layers)):
+            start, end = block.rows[first][0], block.rows[last][1]
+            runs[block.layers[first : last + 1]] = _Run(
+                block.weight[start:end],
+                None if block.bias is None else block.bias[start:end],
+                tuple(e - s for s, e in block.rows[first : last + 1]),
+                block.weight.shape[1],
+            )
+    return runs
 
 
 class BaseExecutor(Executor):
@@ -85,8 +100,7 @@ class BaseExecutor(Executor):
         self.device = device
         self._experts = list(experts)  # the models' own experts modules, weights loaded
         self._blocks = list(blocks)
-        self._block_of = {layer: b for b in self._blocks for layer in b.layers}
-        self._runs: dict[tuple[int, ...], _Run | None] = {}  # fused layers -> their rows
+        self._runs = {layers: r for b in self._blocks for layers, r in _runs_of(b).items()}
 
     @classmethod
     def from_pretrained(
@@ -140,7 +154,14 @@ class BaseExecutor(Executor):
         """FORWARD of every layer of `layers` on the same x [n_tokens, in] in one call:
         one matmul when they are a contiguous run of one block (q/k/v, gate/up), else
         one per layer. -> [[n_tokens, out_l] per layer]; views of one tensor when fused."""
-        validate_fused(self._manifest, layers, x)
+        run = self._runs.get(layers)
+        if (
+            run is None
+            or x.dim() != 2
+            or x.shape[1] != run.in_features
+            or (x.dtype != self._manifest.dtype)
+        ):  # a known run needs only x checked; anything else the full check
+            validate_fused(self._manifest, layers, x)
         if torch.is_autocast_enabled(self.device.type):  # as in `call`
             with torch.autocast(self.device.type, enabled=False), torch.no_grad():
                 return self._fused_on_device(layers, x)
@@ -156,27 +177,11 @@ class BaseExecutor(Executor):
 
     def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """The math of one (already validated) fused forward on this executor's device."""
-        run = self._runs.get(layers, False)
-        if run is False:
-            run = self._runs[layers] = self._run_of(layers)
+        run = self._runs.get(layers)
         if run is None:
             return [self.run(Op.FORWARD, layer, x) for layer in layers]
-        block = run.block
-        bias = None if block.bias is None else block.bias[run.start : run.end]
-        y = torch.nn.functional.linear(x, block.weight[run.start : run.end], bias)
-        return list(y.split(run.widths, dim=1))  # [n_tokens, sum_out] -> per layer
-
-    def _run_of(self, layers: tuple[int, ...]) -> _Run | None:
-        """The block rows of `layers` if they follow each other in one block, else None."""
-        block = self._block_of.get(layers[0])
-        if block is None:
-            return None
-        first = block.layers.index(layers[0])
-        if block.layers[first : first + len(layers)] != layers:
-            return None
-        rows = block.rows[first : first + len(layers)]
-        widths = tuple(end - start for start, end in rows)
-        return _Run(block, rows[0][0], rows[-1][1], widths)
+        y = torch.nn.functional.linear(x, run.weight, run.bias)  # [n_tokens, sum_out]
+        return y.split_with_sizes(run.widths, dim=1)  # views, one per layer
 
     def _run_on_device(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device:
@@ -209,9 +214,10 @@ class BaseExecutor(Executor):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor this executor holds (for memory accounting and tests): the
-        blocks and each layer's weight and bias, which may be views into a block."""
+        blocks, their runs and each layer's weight and bias (views into a block)."""
         blocks = [t for b in self._blocks for t in (b.weight, b.bias) if t is not None]
-        return blocks + self._layer_tensors()
+        runs = [t for r in self._runs.values() for t in (r.weight, r.bias) if t is not None]
+        return blocks + runs + self._layer_tensors()
 
     def _layer_tensors(self) -> list[torch.Tensor]:
         stacks = [p for module in self._experts for p in module.parameters()]

@@ -102,9 +102,13 @@ class Fusion:
         self.ready_x = None
 
 
-class LocalFusion(Fusion, threading.local):
-    """A `Fusion` per thread: a serving engine and a fine-tuning job may call one
-    in-process executor from two threads at once, each with its own order of calls."""
+class LocalFusion(threading.local):
+    """A `Fusion` per thread (`state`): a serving engine and a fine-tuning job may call
+    one in-process executor from two threads at once, each with its own order of calls.
+    (Read `state` once per call: each attribute of a thread-local costs a lookup.)"""
+
+    def __init__(self) -> None:
+        self.state = Fusion()
 
     def __reduce__(self):
         # A copied model (deepcopy, pickle) starts with fresh state: what is held here

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from symbiont.client.fusion import Fusion, fusion_for
+from symbiont.client.fusion import Fusion, LocalFusion, fusion_for
 from symbiont.model.layers import LayerSpec
 from symbiont.protocol.executor import Executor, Op
 
@@ -49,7 +49,7 @@ class VirtLayer:
     """Mixin holding the executor link; concrete classes also subclass the replaced type."""
 
     spec: LayerSpec
-    _fusion: Fusion | None = None
+    _fusion: LocalFusion | None = None
 
     @property
     def executor(self) -> Executor:
@@ -93,7 +93,7 @@ class VirtLayer:
         """One executor call in the executor's dtype; the result comes back in x's dtype.
         x [n_tokens, width_in] -> [n_tokens, width_out]"""
         if self._fusion is not None and op is Op.FORWARD:
-            return self._forward_fused(self._fusion, x)
+            return self._forward_fused(self._fusion.state, x)
         if x.dtype == self.wire_dtype:  # the common case: skip two no-op casts per call
             return self._executor.call(op, self.spec.id, x)
         return self._executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
@@ -111,7 +111,7 @@ class VirtLayer:
         if not extra:
             y = self._executor.call(Op.FORWARD, layer, wire)
             return y if wire is x else y.to(x.dtype)
-        outs = self._executor.forward_fused((layer, *extra), wire)
+        outs = self._executor.forward_fused((layer, *extra), wire)  # one matmul
         if wire is not x:
             outs = [y.to(x.dtype) for y in outs]
         fusion.keep(x, extra, outs[1:])
