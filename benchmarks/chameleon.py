@@ -173,6 +173,7 @@ class Probe:
         self.admitted: dict[object, float] = {}
         self.steps: list[float] = []
         self.place_seconds = 0.0
+        self.distinct: list[int] = []  # adapters in each iteration's batch
         schedule, try_admit, step = (
             engine.scheduler.schedule,
             engine.scheduler.try_admit,
@@ -187,7 +188,10 @@ class Probe:
                 last = self._last.get(seq, self._arrival(seq))
                 waits[self._why.get(seq, "queue")] += max(0.0, now - last)
                 self._last[seq], self._why[seq] = now, "queue"
-            return schedule()
+            batch = schedule()
+            if batch:
+                self.distinct.append(len({item.seq.cached_adapter for item in batch}))
+            return batch
 
         def probed_try_admit(seq):
             verdict = try_admit(seq)
@@ -318,7 +322,7 @@ def describe(r: Run, tail: float = 0.05) -> str:
         f"    all  (ms): {means(range(len(r.ttft)))}\n"
         f"    slowest {len(slow)} (ms): {means(slow)}\n"
         f"    iteration {np.mean(probe.steps) * 1e3:.1f} ms (p99 {np.percentile(probe.steps, 99) * 1e3:.1f}), "
-        f"{len(probe.steps)} iterations; disk load {np.mean(loads) * 1e3:.1f} ms mean "
+        f"{len(probe.steps)} iterations, {np.mean(probe.distinct):.1f} adapters each; disk load {np.mean(loads) * 1e3:.1f} ms mean "
         f"(p99 {np.percentile(loads, 99) * 1e3:.1f}) x {r.loads}; placing in slots "
         f"{probe.place_seconds * 1e3:.0f} ms in all"
     )
