@@ -515,8 +515,11 @@ def fusion_ab(args, model_dir: Path) -> str:
         params = [p for p in model.parameters() if p.requires_grad]
         steps[name] = _train_step(model, torch.optim.AdamW(params, lr=2e-4), args)
         steps[name]()  # warm: allocator, optimizer state, the fused calls' order
-    for _ in range(args.fusion_ab):
-        for name, step in steps.items():
+    names = list(steps)
+    for round_ in range(args.fusion_ab):
+        turn = round_ % len(names)  # each model takes each place in a round in turn
+        for name in names[turn:] + names[:turn]:
+            step = steps[name]
             start = time.perf_counter()
             for _ in range(args.steps):
                 step()

@@ -25,8 +25,8 @@ EOS ignored):
 Prints a table of ms per decode step and % of the step; `--json PATH` writes it.
 
 `--fusion-ab ROUNDS` instead times decode steps of one engine in three settings taken in
-turn, ROUNDS times (so a changing load hits all alike), and prints ms per step and the
-ratio to the first: `inference_mode, one call per layer` (the forward before q/k/v and
+turn, ROUNDS times (so a changing load hits all alike; each setting takes each place in
+the order in turn, as contexts grow), and prints ms per step and the ratio to the first: `inference_mode, one call per layer` (the forward before q/k/v and
 gate/up calls were fused), `no_grad, one call per layer` (what the version counter costs)
 and `no_grad, fused` (the engine's default: one executor call and one matmul for q/k/v
 and for gate/up).
@@ -270,8 +270,10 @@ def fusion_ab(args, engine) -> list[tuple[str, float, float]]:
         engine.step()
     forward = engine.runner.forward
     step_s, forward_s = defaultdict(float), defaultdict(float)
-    for _ in range(args.fusion_ab):
-        for name, inference_mode, fused in FUSION_ARMS:
+    for round_ in range(args.fusion_ab):
+        # Contexts grow each step, so each setting takes each place in a round in turn.
+        turn = round_ % len(FUSION_ARMS)
+        for name, inference_mode, fused in FUSION_ARMS[turn:] + FUSION_ARMS[:turn]:
             set_fusion(engine, fused)
             timers = Timers()
             mode = torch.inference_mode if inference_mode else contextlib.nullcontext
