@@ -45,7 +45,14 @@ sys.path.insert(0, str(REPO))
 
 from symbiont import BaseExecutor, load_client  # noqa: E402
 from symbiont.decoding import SamplingParams  # noqa: E402
-from symbiont.jobs.coserve import CoServe, CostModel, Slot, _Need, profile  # noqa: E402
+from symbiont.jobs.coserve import (  # noqa: E402
+    CoServe,
+    CostModel,
+    Slot,
+    _Need,
+    plan_positions,
+    profile,
+)
 from symbiont.jobs.priority import (  # noqa: E402
     PriorityGate,
     TrainingExecutor,
@@ -100,6 +107,7 @@ class Job:
         self.labels = self.ids.clone()
         self.labels[:, : args.ft_length // 4] = IGNORE_INDEX  # a prompt without loss
         self.tokens = 0  # of finished micro-batches
+        self.updates, self.update_s = 0, 0.0  # optimizer steps and their seconds
 
     @staticmethod
     def _model(path, executor):
@@ -112,20 +120,29 @@ class Job:
         if self.stop.is_set():
             raise Stopped
 
-    def run(self, coserve: CoServe | None) -> None:
-        """Train until stopped: windowed steps in `coserve`'s slots, else whole steps."""
+    def run(self, coserve: CoServe | None, plan: int | None) -> None:
+        """Train until stopped: windowed steps of `plan` positions per window (None: cut to
+        fit each slot) in `coserve`'s slots, the optimizer step in the last one's slot;
+        else whole steps."""
+        self.updates = 0
         try:
             while not self.stop.is_set():
                 if coserve is None:
                     self.model(input_ids=self.ids, labels=self.labels).loss.backward()
+                    self._update()
                 else:
-                    step = WindowedStep(self.model, self.ids, self.labels)
-                    coserve.run_step(step, self._check)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    step = WindowedStep(self.model, self.ids, self.labels, plan=plan)
+                    coserve.run_step(step, self._check, self._update)
                 self.tokens += self.ids.numel()
         except Stopped:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _update(self) -> None:
+        started = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        self.update_s += time.perf_counter() - started
 
 
 def arrivals(rate: float, seconds: float, seed: int = 0) -> list[float]:
@@ -196,10 +213,13 @@ def phase(path, executor, job: Job | None, mode: str | None, rate: float, args, 
     if coserve is not None:
         engine.iteration_hook = coserve.after_iteration
     worker = None
+    plan = None
+    if mode in ("coserve", "static") and not args.adaptive:
+        plan = plan_positions(cost, slo, args.ft_batch, args.ft_length)
     if job is not None:
         job.stop.clear()
-        job.tokens = 0
-        worker = threading.Thread(target=job.run, args=(coserve,), daemon=True)
+        job.tokens, job.update_s = 0, 0.0
+        worker = threading.Thread(target=job.run, args=(coserve, plan), daemon=True)
         worker.start()
     started = time.perf_counter()
     if rate > 0:
@@ -218,6 +238,15 @@ def phase(path, executor, job: Job | None, mode: str | None, rate: float, args, 
         out["engine_slots"] = sum(r.slot.from_engine for r in coserve.history)
         out["idle_slots"] = sum(not r.slot.from_engine for r in coserve.history)
         out["margin"] = coserve.margin
+        # where the job's time went (seconds of the phase): windows in slots, the optimizer
+        # step, waiting for a slot; and the planned positions per window
+        out["in_slots_s"] = sum(r.seconds - r.finish_s for r in coserve.history)
+        out["windows"] = sum(sum(r.windows) for r in coserve.history)
+        out["waiting_s"] = coserve.waited_s
+        out["plan"] = plan
+    if job is not None:
+        out["optimizer_s"] = job.update_s
+        out["elapsed_s"] = elapsed
     return out
 
 
@@ -232,6 +261,11 @@ def main() -> None:
     parser.add_argument("--ft-length", type=int, default=64, help="fine-tuning sequence")
     parser.add_argument("--static-share", type=float, default=0.5, help="static: job's share")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="coserve/static: cut each window to fit its slot instead of a fixed window plan",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
@@ -242,7 +276,7 @@ def main() -> None:
     gate = PriorityGate()
     job = Job(path, executor, gate, args)
     cost = CostModel()
-    profile(job.model, cost, job.model.config.vocab_size)
+    profile(job.model, cost, job.model.config.vocab_size, rows=args.ft_batch)
     print("cost model (s):", [f"{w:.2e}" for w in cost.coefficients], flush=True)
     results = {}
     for rate in args.rates:

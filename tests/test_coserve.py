@@ -24,9 +24,11 @@ from symbiont.jobs.coserve import (
     CoServe,
     CostModel,
     _Need,
+    plan_positions,
     train_coserved,
 )
 from symbiont.jobs.priority import PriorityGate, TrainingExecutor, give_inference_priority
+from symbiont.jobs.store import ACTIVE
 from symbiont.jobs.windows import IGNORE_INDEX, WindowedStep
 from symbiont.protocol.executor import Executor
 from symbiont.serve import EngineConfig
@@ -254,6 +256,31 @@ def test_with_no_inference_the_job_gets_the_whole_budget(checkpoints, one_thread
     assert_slots_within_budget(coserve)
 
 
+def test_a_planned_step_runs_whole_windows_and_its_update_in_a_slot(checkpoints, one_thread):
+    """With a window plan the step is cut where the plan says, whatever room the slots
+    have, and the optimizer step (`finish`) runs inside the slot of the last window."""
+    # room at c=0: 4 ms, half of it 2 ms: 10 forward tokens, 5 backward ones; but a window
+    # of fewer than 10 tokens would cost more fixed than per token: 10 tokens, 5 positions
+    # of 2 rows; 13 positions in 3 windows of at most 5 * 1.1: 5, 5 and 3
+    assert plan_positions(fixed_costs(), SLO, rows=2, limit=13) == 5
+    path = checkpoints("llama")
+    coserve = CoServe(SLO, fixed_costs())
+    model = lora_model(path, BaseExecutor.from_pretrained(path))
+    ids, labels, mask = batch()
+    expected = whole_sequence_grads(model, ids, labels, mask)
+    step = WindowedStep(model, ids, labels, mask, plan=6)  # balanced: 3 windows of 5, 5, 3
+    updates = []
+    coserve.run_step(step, finish=lambda: updates.append(coserve.in_slot))
+    assert step.bounds == [(0, 5), (5, 10), (10, 13)]
+    assert_close(expected, grads(model))
+    assert updates == [True], "the optimizer step did not run once, in a slot"
+    records = list(coserve.history)
+    assert sum(r.windows[0] for r in records) == 3 and sum(r.windows[1] for r in records) == 3
+    assert records[-1].finish_s > 0 and coserve.finish_s == records[-1].finish_s
+    with pytest.raises(ValueError, match=">= 1 position per window"):
+        WindowedStep(model, ids, labels, mask, plan=0)
+
+
 def test_slots_follow_real_engine_iterations(checkpoints, one_thread):
     """A real engine generates while a job's step runs in the slots after its iterations:
     the generated tokens are those of the engine alone, the gradients the whole step's."""
@@ -346,6 +373,7 @@ def test_a_job_under_the_slo_target_trains_the_same_adapter(checkpoints, tmp_pat
     shutil.copytree(checkpoints("llama"), model_dir)
     add_char_tokenizer(model_dir)
     adapters = {}
+    window = {"window_positions": 4}
     for name, slo in (("plain", None), ("slots", 0.05)):
         engine = dataclasses.replace(ENGINE, slo_tpot_s=slo)
         jobs_dir = tmp_path / f"jobs-{name}"
@@ -353,8 +381,10 @@ def test_a_job_under_the_slo_target_trains_the_same_adapter(checkpoints, tmp_pat
         with BackgroundServer(config) as server:
             api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
             data = upload(api, chats(6))
-            job = create(api, data.id, hyperparameters={"n_epochs": 2, "batch_size": 2}, peft=LORA)
-            while api.fine_tuning.jobs.retrieve(job.id).status in ("queued", "running"):
+            hyper = {"n_epochs": 2, "batch_size": 2}
+            # windows of 4 positions: they fit the slots after this tiny engine's iterations
+            job = create(api, data.id, hyperparameters=hyper, peft=LORA, extra=window)
+            while api.fine_tuning.jobs.retrieve(job.id).status in ACTIVE:
                 greedy(api, BASE, "hi 3", n=4)  # the base keeps answering meanwhile
             assert wait_for(api, job.id).status == "succeeded"
             jobs = server._server.config.app.state.jobs

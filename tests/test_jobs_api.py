@@ -9,6 +9,7 @@ adapter against an uninterrupted run of the same job, bitwise.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from symbiont.client.virt import VirtLayer
+from symbiont.jobs.coserve import PLAN_FILE
 from symbiont.jobs.priority import InferenceExecutor
 from symbiont.jobs.store import JobStore
 from symbiont.serve import EngineConfig
@@ -170,7 +172,7 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
         hyperparameters={"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 5},
         extra={"checkpoint_every": 2},
     )
-    assert job.status == "queued" and job.organization_id == "alice"
+    assert job.status == "validating_files" and job.organization_id == "alice"
     job = wait_for(alice, job.id)
     assert job.status == "succeeded", job.error
     assert "greeter" in job.fine_tuned_model and job.fine_tuned_model.startswith(f"ft:{BASE}:")
@@ -180,6 +182,7 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
     events = list(alice.fine_tuning.jobs.list_events(job.id, limit=100))
     messages = [e.message for e in events]
     assert messages[-1].startswith("Validating training file")  # newest first
+    assert messages[-2] == "Files validated (6 training examples); queued"
     assert messages[0].startswith("The job has successfully completed")
     metrics = [e.data for e in events if e.type == "metrics"]
     assert sorted(m["step"] for m in metrics) == [1, 2, 3, 4, 5, 6]
@@ -338,6 +341,36 @@ def test_a_failing_job_ends_failed_and_the_rest_go_on(server, bob, model_dir):
     assert greedy(bob, BASE, "hi 2") == reference_text(model_dir, {}, None, "hi 2")
 
 
+def test_a_file_that_fails_its_check_at_run_time_fails_the_job(server, bob):
+    """The job shows `validating_files` while its stored file is checked as training will
+    read it; a copy that went bad after creation fails the job with an error and an event."""
+    jobs = server._server.config.app.state.jobs
+    data = upload(bob, chats(2))
+    seen = []
+
+    def spoil(job_id: str) -> None:  # the stored copy goes bad behind the API's back
+        seen.append(jobs.store.get_job(None, job_id).status)
+        jobs.store.file_path(data.id).write_bytes(b'{"prompt": "hi", "completion": ""}\n')
+
+    jobs.runner.validation_hook = spoil
+    try:
+        created = create(bob, data.id)
+        job = wait_for(bob, created.id)
+    finally:
+        jobs.runner.validation_hook = None
+    assert created.status == "validating_files" and seen == ["validating_files"]
+    assert job.status == "failed" and job.finished_at is not None
+    assert (job.error.code, job.error.param) == ("invalid_training_file", "training_file")
+    assert job.error.message == (
+        f"{data.id} line 1: 'completion' is empty; there is nothing to learn"
+    )
+    events = [e.message for e in bob.fine_tuning.jobs.list_events(job.id)]
+    assert events == [
+        f"The job failed: {job.error.message}",
+        f"Validating training file: {data.id}",
+    ]
+
+
 # -- bad input --------------------------------------------------------------------------
 
 
@@ -386,6 +419,12 @@ def test_bad_job_requests_name_the_field(alice):
         ),
         ({"suffix": "no spaces"}, 400, "suffix", "letters, digits"),
         (
+            {"extra_body": {"window_positions": 0}},
+            400,
+            "window_positions",
+            "must be an integer >= 1 (positions per co-serving window), got 0",
+        ),
+        (
             {"extra_body": {"peft": {"method": "prefix"}}},
             400,
             "peft.method",
@@ -431,11 +470,18 @@ def test_file_in_use_cannot_be_deleted(alice):
 # -- durability -------------------------------------------------------------------------
 
 
-def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
+@pytest.mark.parametrize("slo", [None, 0.05], ids=["plain", "coserved"])
+def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path, slo):
     """A job interrupted mid-run (its worker stopped between checkpoints, as by kill -9)
-    resumes after a restart and ends with the adapter of an uninterrupted run, bitwise."""
-    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, jobs_dir=str(tmp_path))
-    spec = {"hyperparameters": {"n_epochs": 3, "batch_size": 2}, "extra": {"checkpoint_every": 3}}
+    resumes after a restart and ends with the adapter of an uninterrupted run, bitwise;
+    also under --slo-tpot-ms, where both run their steps in windows of 5 positions in
+    co-serving slots (whenever those come)."""
+    engine = dataclasses.replace(ENGINE, slo_tpot_s=slo)
+    config = ServerConfig(model=str(model_dir), port=0, engine=engine, jobs_dir=str(tmp_path))
+    extra = (
+        {"checkpoint_every": 3} if slo is None else {"checkpoint_every": 3, "window_positions": 5}
+    )
+    spec = {"hyperparameters": {"n_epochs": 3, "batch_size": 2}, "extra": extra}
     with BackgroundServer(config) as first:
         api = client(first, None)
         data = upload(api, chats(8))
@@ -451,6 +497,9 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
         runner.step_hook = pause_at_step_7
         interrupted = create(api, data.id, **spec)
         assert reached.wait(60), "the job never reached step 7"
+        if slo is not None:  # the plan is saved before the first step
+            plan = run_dir(first, interrupted.id) / PLAN_FILE
+            assert json.loads(plan.read_text()) == {"window_positions": 5}
     with BackgroundServer(config) as second:  # the same jobs dir
         api = client(second, None)
         assert api.files.retrieve(data.id).bytes == len(chats(8))
@@ -475,6 +524,10 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+        if slo is not None:  # 18 steps here (6 resumed, 12 uninterrupted), cut into windows
+            history = runner_of(second).coserve.history
+            assert all(r.forward_tokens <= 2 * 5 * r.windows[0] for r in history)
+            assert sum(r.windows[0] for r in history) >= 2 * 18
         steps = [c.step_number for c in api.fine_tuning.jobs.checkpoints.list(interrupted.id)]
         assert steps == [12, 9, 6, 3]
 

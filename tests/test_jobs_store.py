@@ -93,6 +93,19 @@ def test_running_jobs_resume_before_queued_ones(tmp_path):
     assert store.next_runnable().id == first.id
 
 
+def test_jobs_validating_their_files_wait_and_are_found_again_after_a_restart(tmp_path):
+    store = JobStore(tmp_path)
+    f = store.add_file("t", "a.jsonl", "fine-tune", jsonl(CHAT))
+    job = store.add_job("t", spec(training_file=f.id), [], status="validating_files")
+    assert store.next_runnable() is None  # not run before its files are checked
+    assert store.jobs_using_file("t", f.id) == [job.id]  # nor its file deleted meanwhile
+    store.close()
+    store = JobStore(tmp_path)  # a process died mid-check: the next one checks again
+    assert [j.id for j in store.validating_jobs()] == [job.id]
+    assert store.transition(job.id, "queued", only_from=("validating_files",))
+    assert store.validating_jobs() == [] and store.next_runnable().id == job.id
+
+
 def test_file_in_use_by_an_active_job(tmp_path):
     store = JobStore(tmp_path)
     f = store.add_file("t", "a.jsonl", "fine-tune", jsonl(CHAT))

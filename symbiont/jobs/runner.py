@@ -61,6 +61,7 @@ class JobRunner:
         self.site: Worksite | None = None
         self.current: str | None = None  # id of the job being trained
         self.step_hook: Callable[[str, int], None] | None = None  # tests: after each step
+        self.validation_hook: Callable[[str], None] | None = None  # tests: before a check
         self.coserve = None  # CoServe under --slo-tpot-ms: steps run in engine slots
         self._cancelled: set[str] = set()  # ids of jobs cancelled while they may run
         self._recorded: set[str] = set()  # checkpoint folders of the current job with a row
@@ -117,6 +118,8 @@ class JobRunner:
             self._republish()
         finally:
             self.republished.set()
+        for job in self.store.validating_jobs():  # left mid-check by a previous process
+            self.validate(job.id)
         while not self._stopping.is_set():
             job = self.store.next_runnable()
             if job is None:
@@ -124,6 +127,39 @@ class JobRunner:
                 self._wake.clear()
                 continue
             self._run(job)
+
+    def validate(self, job_id: str) -> None:
+        """Check a `validating_files` job's stored files as training will read them (they
+        parse, tokenize and fit the context), then make it `queued`; or `failed` with an
+        error object and an event. Runs off the event loop (the route hands it to a
+        thread) and in the worker at start for jobs a previous process left here."""
+        job = self.store.get_job(None, job_id)
+        if job is None or job.status != "validating_files":
+            return  # cancelled meanwhile
+        if self.validation_hook is not None:
+            self.validation_hook(job_id)
+        spec = JobSpec(**job.spec)
+        try:
+            found = len(self._examples(spec.training_file, "training_file"))
+            self._examples(spec.validation_file, "validation_file")
+        except Exception as err:  # noqa: BLE001 - the job fails, the server goes on
+            error = _error_of(err)
+            self.store.transition(
+                job.id,
+                "failed",
+                only_from=("validating_files",),
+                event=("error", f"The job failed: {error['message']}"),
+                error=error,
+                finished_at=now(),
+            )
+            return
+        self.store.transition(
+            job.id,
+            "queued",
+            only_from=("validating_files",),
+            event=("info", f"Files validated ({found} training examples); queued"),
+        )
+        self.wake()
 
     def _republish(self) -> None:
         """After a restart, every succeeded job's model is served again."""
@@ -206,9 +242,16 @@ class JobRunner:
         else:  # token-level steps in the slots the engine grants (symbiont/jobs/coserve.py)
             from symbiont.jobs.coserve import profile, train_coserved
 
-            profile(model, self.coserve.cost, model.config.vocab_size)
+            profile(model, self.coserve.cost, model.config.vocab_size, rows=config.batch_size)
             result = train_coserved(
-                model, examples, config, out, coserve=self.coserve, check=self._check, **common
+                model,
+                examples,
+                config,
+                out,
+                coserve=self.coserve,
+                check=self._check,
+                plan=spec.window_positions or None,
+                **common,
             )
         self._record_checkpoints(job, out)
         return {"steps": result.steps, "eval_loss": result.eval_loss, "loss": result.final_loss}
@@ -271,12 +314,7 @@ class JobRunner:
             self.site.unpublish(name)
 
     def _fail(self, job: JobRecord, err: Exception) -> None:
-        if isinstance(err, JobsError):
-            error = {"code": "invalid_training_file", "message": str(err), "param": err.param}
-        else:
-            log.error("job %s failed", job.id, exc_info=err)
-            message = f"training failed: {type(err).__name__}: {err}"
-            error = {"code": "training_failed", "message": message, "param": None}
+        error = _error_of(err)
         self.store.transition(
             job.id,
             "failed",
@@ -285,6 +323,15 @@ class JobRunner:
             error=error,
             finished_at=now(),
         )
+
+
+def _error_of(err: Exception) -> dict:
+    """A job's `error` object: bad data names its field, anything else is logged."""
+    if isinstance(err, JobsError):
+        return {"code": "invalid_training_file", "message": str(err), "param": err.param}
+    log.error("job failed", exc_info=err)
+    message = f"training failed: {type(err).__name__}: {err}"
+    return {"code": "training_failed", "message": message, "param": None}
 
 
 def train_config(spec: JobSpec, n_examples: int, max_length: int) -> TrainConfig:

@@ -254,9 +254,13 @@ class JobStore:
 
     # -- jobs -------------------------------------------------------------------------
 
-    def add_job(self, tenant: str, spec: dict, events: list[tuple[str, str]]) -> JobRecord:
-        """Insert a queued job and its first events, in one transaction."""
-        job = JobRecord(new_id("ftjob"), tenant, now(), spec, "queued")
+    def add_job(
+        self, tenant: str, spec: dict, events: list[tuple[str, str]], status: str = "queued"
+    ) -> JobRecord:
+        """Insert a job (`validating_files` or `queued`) and its first events, in one
+        transaction."""
+        assert status in ("validating_files", "queued"), status
+        job = JobRecord(new_id("ftjob"), tenant, now(), spec, status)
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (id, tenant, created_at, spec, status) VALUES (?, ?, ?, ?, ?)",
@@ -294,6 +298,11 @@ class JobStore:
             "ORDER BY status = 'running' DESC, seq ASC LIMIT 1"
         )
         return _job(rows[0]) if rows else None
+
+    def validating_jobs(self) -> list[JobRecord]:
+        """Jobs whose files are still to be checked (a previous process may have died at it)."""
+        rows = self._query("SELECT * FROM jobs WHERE status = 'validating_files' ORDER BY seq")
+        return [_job(r) for r in rows]
 
     def succeeded_jobs(self) -> list[JobRecord]:
         rows = self._query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")

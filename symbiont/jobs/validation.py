@@ -126,6 +126,9 @@ class JobSpec:
     peft: dict  # AdapterFlags fields
     checkpoint_every: int  # optimizer steps between checkpoints (0: a tenth of the run)
     metadata: dict | None = field(default=None)
+    # positions per co-serving window (--slo-tpot-ms; 0: sized from the cost model when the
+    # job first starts). Fixed per job, so its result does not depend on the load
+    window_positions: int = 0
 
     @property
     def learning_rate(self) -> float:
@@ -165,6 +168,7 @@ def job_spec(body: dict, base_model: str) -> JobSpec:
         peft=_peft(body.get("peft")),
         checkpoint_every=_checkpoint_every(body.get("checkpoint_every")),
         metadata=_metadata(body.get("metadata")),
+        window_positions=_window_positions(body.get("window_positions")),
     )
 
 
@@ -264,6 +268,18 @@ def _checkpoint_every(value) -> int:
         raise invalid(
             f"checkpoint_every: must be an integer >= 1 (optimizer steps), got {value!r}",
             "checkpoint_every",
+        )
+    return value
+
+
+def _window_positions(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(
+            f"window_positions: must be an integer >= 1 (positions per co-serving window), "
+            f"got {value!r}",
+            "window_positions",
         )
     return value
 

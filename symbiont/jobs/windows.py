@@ -51,7 +51,10 @@ class WindowedStep:
     backward of the last window not yet done. Tokens are counted as rows x positions.
 
     `scale` multiplies the loss whose gradients are accumulated (1 / gradient
-    accumulation); `loss` is the unscaled loss of the windows forwarded so far."""
+    accumulation); `loss` is the unscaled loss of the windows forwarded so far. `plan`
+    fixes the positions of every forward window (the last one shorter): a scheduler then
+    runs whole planned windows only, so the step's result is a function of the batch and
+    the plan, not of when slots came (exact resume, symbiont/jobs/coserve.py)."""
 
     def __init__(
         self,
@@ -60,10 +63,19 @@ class WindowedStep:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         scale: float = 1.0,
+        plan: int | None = None,
     ):
         _refuse_sliding_windows(model.config)
+        if plan is not None and plan < 1:
+            raise ValueError(f"a window plan needs >= 1 position per window, got {plan}")
         self.model, self.input_ids, self.scale = model, input_ids, scale
         self.batch, self.length = input_ids.shape
+        # positions per forward window, fixed (None: the scheduler cuts each window to fit):
+        # the windows, hence the float rounding of the step, then do not depend on timing
+        self.plan = None
+        if plan is not None:  # balanced: ceil(length / plan) windows of equal positions
+            windows = -(-self.length // plan)
+            self.plan = -(-self.length // windows)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.attention_mask = attention_mask
@@ -91,6 +103,12 @@ class WindowedStep:
     def done(self) -> bool:
         return self._next_backward is not None and self._next_backward < 0
 
+    def next_forward_tokens(self) -> int:
+        """Tokens of the next planned forward window (0 without a plan or when forwarded)."""
+        if self.plan is None or self.forward_done:
+            return 0
+        return self.batch * min(self.plan, self.length - self.forwarded)
+
     def next_backward_tokens(self) -> int:
         """Tokens of the window whose backward runs next (0 while forwarding or when done)."""
         if self._next_backward is None or self.done:
@@ -98,8 +116,19 @@ class WindowedStep:
         a, b = self.bounds[self._next_backward]
         return self.batch * (b - a)
 
-    def forward(self, positions: int) -> int:
-        """Forward the next `positions` positions (fewer at the end); returns the tokens run."""
+    def backward_tokens_left(self) -> int:
+        """Tokens of the windows whose backward has not run."""
+        if self._next_backward is None or self.done:
+            return 0
+        return self.batch * self.bounds[self._next_backward][1]
+
+    def forward(self, positions: int | None = None) -> int:
+        """Forward the next `positions` positions (fewer at the end; default: the plan's);
+        returns the tokens run."""
+        if positions is None:
+            if self.plan is None:
+                raise ValueError("forward() without positions needs a window plan")
+            positions = self.plan
         if positions < 1:
             raise ValueError(f"a window needs >= 1 position, got {positions}")
         if self.forward_done:

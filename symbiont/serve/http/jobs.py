@@ -83,6 +83,7 @@ JOB_SCHEMA = {
                         "method": {"type": "object"},
                         "metadata": {"type": ["object", "null"]},
                         "checkpoint_every": {"type": "integer"},
+                        "window_positions": {"type": "integer"},
                         "peft": {
                             "type": "object",
                             "properties": {
@@ -308,6 +309,7 @@ def _not_found(kind: str, given: str, param: str | None = None) -> JobsError:
 
 def _router(service: JobsService) -> APIRouter:
     router = APIRouter()
+    validations: set[asyncio.Task] = set()  # file checks running in threads (kept referenced)
     limit_files = Query(MAX_LIST, ge=1, le=MAX_LIST)
     limit_jobs = Query(20, ge=1, le=MAX_LIST)
 
@@ -367,7 +369,6 @@ def _router(service: JobsService) -> APIRouter:
         site = service.ready_site()
         _check_servable(service, spec)
         _admit_job(service, tenant)
-        examples = {}
         for param in ("training_file", "validation_file"):
             file_id = getattr(spec, param)
             if file_id is not None:
@@ -375,14 +376,14 @@ def _router(service: JobsService) -> APIRouter:
                 if record is None or record.purpose != FILE_PURPOSE:
                     raise _not_found("file", file_id, param)
                 content = await asyncio.to_thread(store.file_path(file_id).read_bytes)
-                found = await asyncio.to_thread(site.tokenizing.examples, content, file_id, param)
-                examples[param] = len(found)
-        events = [
-            ("info", f"Validating training file: {spec.training_file}"),
-            ("info", f"Files validated ({examples['training_file']} training examples); queued"),
-        ]
-        job = store.add_job(tenant, spec.as_record(), events)
-        service.runner.wake()
+                await asyncio.to_thread(site.tokenizing.examples, content, file_id, param)
+        events = [("info", f"Validating training file: {spec.training_file}")]
+        job = store.add_job(tenant, spec.as_record(), events, status="validating_files")
+        # the stored files are checked again as training will read them, off the event
+        # loop; the job shows `validating_files` until then, and `queued` (or `failed`) after
+        task = asyncio.create_task(asyncio.to_thread(service.runner.validate, job.id))
+        validations.add(task)
+        task.add_done_callback(validations.discard)
         return job.as_openai()
 
     @router.get("/v1/fine_tuning/jobs")
