@@ -81,8 +81,9 @@ class EngineConfig:
     host_cache_bytes: int = field(
         default=0,
         metadata={
-            "help": "bytes of --adapter-dir adapters kept in host memory (0: follow idle "
-            "memory, half of what the OS reports available, re-read on every load)"
+            "help": "bytes of --adapter-dir adapters kept in host memory, the host copies of "
+            "resident ones included (0: follow idle memory, half of what the OS reports "
+            "available, re-read on every load)"
         },
     )
     cache_policy: CachePolicy = field(
@@ -130,9 +131,9 @@ class EngineConfig:
     max_skips: int = field(
         default=16,
         metadata={
-            "help": "requests whose adapter or delta is resident that may start ahead of a "
-            "request waiting for a slot, per such request (DeltaZip's skip-the-line; then "
-            "the line closes until it has its slot; 0: strict arrival order)"
+            "help": "requests that may join the slot reserved for a request waiting for one "
+            "(the slot that frees first) ahead of it (DeltaZip's skip-the-line; requests for "
+            "other resident adapters start freely; 0: strict arrival order)"
         },
     )
 
