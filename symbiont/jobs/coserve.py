@@ -19,12 +19,17 @@ own model (`profile`), and refitted by least squares every `refit_every` samples
 probes and the last `window` measured parts: each iteration's inference, and each slot
 as the engine waited for it (hand-off included).
 
-A forward window is cut no larger than the tokens whose backward fits 80% of a slot's room
-at the same load, so its backward can run in a later slot (a backward window that found no
-room for 64 iterations runs anyway: it holds its activations, and a job must not be held
-forever). While the engine has no inference to run (no iteration for two SLOs), the worker
-takes slots of its own, sized at c = 0, back to back. Evaluation, the optimizer step and
-checkpoints run outside slots, behind the inference-first gate of symbiont/jobs/priority.py.
+A job's steps are cut into windows of a fixed plan of positions (`plan_positions`, sized
+from the cost model at the job's first start and saved in its run folder, or given), and
+a slot runs whole planned windows while the next one fits, so a step's float rounding does
+not depend on the load and a resumed job is bitwise the uninterrupted one. Without a plan
+(`WindowedStep(plan=None)`), a forward window is cut to the room left, no larger than the
+tokens whose backward fits 80% of a slot's room at the same load. A window that found no
+room for 64 iterations runs anyway (a job must not be held forever; a backward window
+holds its activations). While the engine has no inference to run (no iteration for two
+SLOs), the worker takes slots of its own, sized at c = 0, back to back. The optimizer step
+runs in the slot of the step's last window; evaluation and checkpoints run outside slots,
+behind the inference-first gate of symbiont/jobs/priority.py.
 """
 
 from __future__ import annotations
