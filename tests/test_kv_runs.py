@@ -4,7 +4,8 @@ The allocator (symbiont/serve/kv_cache.py) hands a sequence one run of blocks al
 its size class when one is free and scattered blocks when the pool is fragmented; the
 model runner puts decoding sequences whose runs share a lattice in one strided view of the
 pool (`PoolRows`), the others in the gathered group. Both kinds are mixed here in one
-decode step, on both sides of the view's waste limit, with sliding windows, soft-capping,
+decode step (and in chunked prefills, whose later chunks on runs also read in place), on
+both sides of the view's waste limit, with sliding windows, soft-capping,
 grouped-query heads, a prefix-tuning adapter (its keys written into the first KV slots)
 and sequences that finish and free runs that later ones reuse; every sampled row's logits
 must be within 1e-4 (fp32) of vanilla transformers on the same tokens, and greedy tokens
@@ -137,14 +138,14 @@ def hold(engine: Engine, free: set[int]) -> list[list[int]]:
 
 
 def run_checked(engine: Engine, reference: Reference, batch, names, monkeypatch):
-    """Generate `batch`, checking every sampled decode row's logits against vanilla;
-    -> (outputs, attention groups of every decode step)."""
+    """Generate `batch`, checking every sampled row's logits against vanilla;
+    -> (outputs, attention groups of every step)."""
     decode_groups = []
     run, prepare = engine.runner.run, engine.runner.prepare
 
     def recording_prepare(scheduled):
         batch = prepare(scheduled)
-        decode_groups.append([g for g in batch.ctx.attn_groups if g.n_queries == 1])
+        decode_groups.append(batch.ctx.attn_groups)
         return batch
 
     def checked_run(scheduled):
@@ -166,22 +167,35 @@ def run_checked(engine: Engine, reference: Reference, batch, names, monkeypatch)
     return outputs, decode_groups
 
 
-def kinds(groups) -> list[tuple[str, int]]:
-    """('rows' | 'gathered', sequences) of a step's decode groups."""
-    return sorted(("rows" if g.rows is not None else "gathered", g.n_seqs) for g in groups)
+def kinds(groups, decode: bool = True) -> list[tuple[str, int]]:
+    """('rows' | 'gathered', sequences) of a step's decode groups (or its later chunks)."""
+    return sorted(
+        ("rows" if g.rows is not None else "gathered", g.n_seqs)
+        for g in groups
+        if (g.n_queries == 1) == decode and (decode or g.rows is not None or g.blocks is not None)
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
-def test_runs_and_scattered_sequences_decode_together(variant, monkeypatch, one_thread):
+@pytest.mark.parametrize("budget", [256, 5], ids=["whole_prompts", "chunked"])
+def test_runs_and_scattered_sequences_decode_together(variant, budget, monkeypatch, one_thread):
     """Blocks 0-7 hold two aligned runs; the rest of the free blocks are scattered (no
-    4-aligned 4 in a row): two sequences read in place, two gathered, in one step."""
+    4-aligned 4 in a row): two sequences read in place, two gathered, in one step. With
+    a budget of 5 tokens, prompts are prefilled in chunks: later chunks of the sequences
+    on runs read their context in place, those on scattered blocks gather it."""
     base, reference = variant
-    engine = engine_for(base)
+    config = dataclasses.replace(CONFIG, max_running=4, max_batched_tokens=budget)
+    engine = engine_for(base, config)
     scattered = {9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23}
     held = hold(engine, set(range(8)) | scattered)
     batch = prompts(4, seed=3, low=5, high=10)
     _, steps = run_checked(engine, reference, batch, [None] * 4, monkeypatch)
-    assert [("gathered", 2), ("rows", 2)] in [kinds(groups) for groups in steps]
+    decodes = [kinds(groups) for groups in steps]
+    if budget == 256:  # all four decode from the second step on
+        assert [("gathered", 2), ("rows", 2)] in decodes
+    assert {"gathered", "rows"} in [{kind for kind, _ in step} for step in decodes]
+    chunks = {kind for groups in steps for kind, _ in kinds(groups, decode=False)}
+    assert chunks == (set() if budget == 256 else {"rows", "gathered"})
     for blocks in held:
         engine.kv_cache.allocator.free(blocks)
     assert engine.kv_cache.allocator.num_free == CONFIG.num_blocks, "KV blocks leaked"
@@ -204,6 +218,19 @@ def test_the_view_limit_on_rows_computed_for_nothing(variant, rows_between, monk
     if view:
         rows = next(g.rows for groups in steps for g in groups if g.rows is not None)
         assert rows.n_rows == rows_between + 1 and rows.stride == 4 * CONFIG.block_size
+    for blocks in held:
+        engine.kv_cache.allocator.free(blocks)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa"], indirect=True)
+def test_a_run_that_fits_only_unaligned_is_gathered(variant, monkeypatch):
+    """Blocks 1-4 are the only free ones: the sequence's run starts off its class's
+    lattice, so no view holds it; it decodes from the gathered group."""
+    base, reference = variant
+    engine = engine_for(base)
+    held = hold(engine, {1, 2, 3, 4})
+    _, steps = run_checked(engine, reference, prompts(1, 12, 5, 10), [None], monkeypatch)
+    assert [("gathered", 1)] in [kinds(groups) for groups in steps]
     for blocks in held:
         engine.kv_cache.allocator.free(blocks)
 

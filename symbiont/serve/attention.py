@@ -13,8 +13,9 @@ group built once for the step. Where the context comes from:
   choice, kv_cache.py): read in place, as rows of one strided view of the head-major pool
   `[rows, kv_heads, kv_width, head_dim]`; their queries are scattered into the view's
   rows and rows that are no sequence are dropped after (`PoolRows`). No per-layer copy.
-- other decoding sequences (scattered blocks of a fragmented pool) and continued prefill
-  chunks: gathered from the pool a whole KV block at a time (one `index_select`);
+- a continued prefill chunk whose sequence is on a run: read in place too (one row);
+- other decoding sequences and continued chunks (scattered blocks of a fragmented pool):
+  gathered from the pool a whole KV block at a time (one `index_select`);
 - a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
 Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
 the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
@@ -94,17 +95,21 @@ def _group_attention(
     """-> [n_seqs * n_queries, heads, hd]: the group's attention output, in its token order."""
     heads, hd = q.shape[0], q.shape[2]
     n, m = group.n_seqs, group.n_queries
-    if group.rows is not None:
+    if group.rows is not None and m == 1:
         return _pool_rows_attention(group, group.rows, q, k_pool, v_pool, scale, window, softcap)
     qg = _rows(q, group).view(heads, n, m, hd).transpose(0, 1)  # [n, heads, m, hd]
-    if group.blocks is None:  # a first chunk: its context is exactly its own keys
+    own_keys = group.blocks is None and group.rows is None
+    if group.rows is not None:  # a continued chunk on a run: its context, in place
+        kg = _row_view(k_pool, group.rows, group.kv_width)  # [1, kv_heads, kv_width, hd]
+        vg = _row_view(v_pool, group.rows, group.kv_width)
+    elif own_keys:  # a first chunk: its context is exactly its own keys
         kg = _rows(k, group).view(-1, n, m, hd).transpose(0, 1)  # [n, kv_heads, m, hd]
         vg = _rows(v, group).view(-1, n, m, hd).transpose(0, 1)
     else:
         kg, vg = _gather(k_pool, group, block), _gather(v_pool, group, block)
     if softcap is not None:
         out = _eager(qg, kg, vg, group.mask(window, qg.dtype), scale, softcap)
-    elif group.blocks is None and window is None:  # causal over its own keys: no mask needed
+    elif own_keys and window is None:  # causal over its own keys: no mask needed
         out = F.scaled_dot_product_attention(
             qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
         )

@@ -131,8 +131,9 @@ class ModelRunner:
         self, decode: list[ScheduledSeq], prefill: list[ScheduledSeq], offsets: dict[int, int]
     ) -> tuple[AttnGroup, ...]:
         """The decoding sequences (those read in place from the pool, and the rest), one
-        group per prefill chunk: no query padding, and a chunk that starts its sequence
-        attends over its own keys without a gather."""
+        group per prefill chunk: no query padding, a chunk that starts its sequence
+        attends over its own keys and a later chunk on a run reads its context in place,
+        both without a gather."""
         groups = []
         in_place = self._pool_rows(decode)
         if in_place is not None:
@@ -142,9 +143,13 @@ class ModelRunner:
             decode = [item for item in decode if id(item) not in chosen]
         if decode:
             groups.append(self._attn_group(decode, 1, offsets))
-        return tuple(
-            groups + [self._attn_group([item], item.n_tokens, offsets) for item in prefill]
-        )
+        for item in prefill:
+            plan = None
+            if item.start > 0 and self.kv_cache.allocator.is_run(item.seq.blocks):
+                first = item.seq.blocks[0] * self.kv_cache.block_size  # its context, in place
+                plan = _RowsPlan(first, 0, 1, [0])
+            groups.append(self._attn_group([item], item.n_tokens, offsets, plan))
+        return tuple(groups)
 
     def _pool_rows(self, decode: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], PoolRows] | None:
         """The decoding sequences read in place as rows of one strided view of the pool,
@@ -161,6 +166,8 @@ class ModelRunner:
         aligns = {allocator.alignment(len(item.seq.blocks)) for item in runs}
         for align in sorted(aligns, reverse=True):  # ties: the wider stride, fewer rows
             members = [item for item in runs if item.seq.blocks[0] % align == 0]
+            if not members:  # runs of this class that fit only unaligned
+                continue
             firsts = [item.seq.blocks[0] for item in members]
             lo, hi = min(firsts), max(firsts)
             n_rows = (hi - lo) // align + 1
@@ -200,9 +207,11 @@ class ModelRunner:
         rows = None
         if plan is not None:  # a row that is no sequence attends to position 0 only
             index = torch.tensor(plan.index)
-            q_pos = torch.zeros(plan.n_rows, 1, dtype=torch.long).index_copy_(0, index, q_pos)
+            q_pos = torch.zeros(plan.n_rows, n_queries, dtype=torch.long).index_copy_(
+                0, index, q_pos
+            )
             kv_len = torch.ones(plan.n_rows, dtype=torch.long).index_copy_(0, index, kv_len)
-            blocks, kv_width = None, max(starts) + 1
+            blocks, kv_width = None, max(starts) + n_queries
             in_order = plan.index == list(range(plan.n_rows))
             rows = PoolRows(plan.first, plan.stride, plan.n_rows, index.to(self.device), in_order)
         elif fresh:
