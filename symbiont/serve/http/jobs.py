@@ -383,8 +383,13 @@ def _router(service: JobsService) -> APIRouter:
         # loop; the job shows `validating_files` until then, and `queued` (or `failed`) after
         task = asyncio.create_task(asyncio.to_thread(service.runner.validate, job.id))
         validations.add(task)
-        task.add_done_callback(validations.discard)
+        task.add_done_callback(_validation_done)
         return job.as_openai()
+
+    def _validation_done(task: asyncio.Task) -> None:
+        validations.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # e.g. the store closed
+            log.error("checking a job's files failed", exc_info=task.exception())
 
     @router.get("/v1/fine_tuning/jobs")
     async def list_jobs(request: Request, after: str | None = None, limit: int = limit_jobs):
