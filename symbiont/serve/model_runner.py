@@ -151,7 +151,7 @@ class ModelRunner:
             groups.append(self._attn_group([item], item.n_tokens, offsets, plan))
         return tuple(groups)
 
-    def _pool_rows(self, decode: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], PoolRows] | None:
+    def _pool_rows(self, decode: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], _RowsPlan] | None:
         """The decoding sequences read in place as rows of one strided view of the pool,
         and the view; None when none qualifies.
 
@@ -179,8 +179,6 @@ class ModelRunner:
             if best is None or len(members) > len(best[0]):
                 index = [(first - lo) // align for first in firsts]
                 best = (members, _RowsPlan(lo * block, align * block, n_rows, index))
-        if best is None:
-            return None
         return best
 
     def _attn_group(
@@ -190,8 +188,8 @@ class ModelRunner:
         offsets: dict[int, int],
         plan: _RowsPlan | None = None,
     ) -> AttnGroup:
-        """`items` all compute `n_queries` tokens this iteration; with `plan` (decoding
-        sequences read in place), positions and lengths are laid out per view row."""
+        """`items` all compute `n_queries` tokens this iteration; with `plan` (sequences
+        whose context is read in place), positions and lengths are laid out per view row."""
         firsts = [offsets[id(item)] for item in items]
         starts = [item.start for item in items]
         first, n_tokens = firsts[0], len(items) * n_queries
