@@ -2,10 +2,10 @@
 
 `F.linear` on a checkpoint's `[out, in]` weight runs MKL's sgemm, which at decode batch
 sizes (1-32 rows) reaches a fraction of what a core can do. oneDNN with the weight
-reordered once into its blocked layout ran the same products 1.3-2.1x faster for layers of
-0.6M-4.6M weights, but costs about 30 µs more per call, so it lost on small layers (0.3-0.6x
-at 4K-180K weights; `python benchmarks/prepack.py`). Only layers of at least
-`MIN_PACKED_WEIGHTS` weights are repacked.
+reordered once into its blocked layout ran the same products 1.2-2.0x faster at 8-32 rows
+for layers of 0.6M-4.6M weights, but costs about 12 µs more per call, so it lost on small
+layers (0.2-0.7x at one row for 4K-260K weights; `python benchmarks/prepack.py`). Only
+modules holding a layer of at least `MIN_PACKED_WEIGHTS` weights are repacked.
 
 Results agree with the plain layout within fp32 rounding (a different summation order),
 not bit for bit. A packed weight serves forward calls only: the backward product
@@ -21,7 +21,7 @@ from symbiont.base.executor import BaseExecutor, _Weights
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
 
-MIN_PACKED_WEIGHTS = 1 << 19  # 512K weights: 768x768 won 1.3x, 256x688 lost (0.6x)
+MIN_PACKED_WEIGHTS = 1 << 19  # 512K: 768x768 won 1.2-1.6x at 8-32 rows; 256x688 lost at 1 row (0.6x)
 
 
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:

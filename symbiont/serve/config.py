@@ -334,7 +334,7 @@ class ServerConfig:
             "flag": "--no-prepack",
             "help": "keep the base weights in the checkpoint's layout; by default, in fp32 on "
             "a CPU, linear layers of 512K weights or more are repacked once for oneDNN "
-            "(1.3-2x faster matmuls, results within fp32 rounding; docs/serving.md "
+            "(1.2-2x faster matmuls, results within fp32 rounding; docs/serving.md "
             "Threads). Never with --jobs-dir or --executor",
         },
     )
