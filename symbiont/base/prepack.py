@@ -21,7 +21,8 @@ from symbiont.base.executor import BaseExecutor, _Weights
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
 
-MIN_PACKED_WEIGHTS = 1 << 19  # 512K: 768x768 won 1.2-1.6x at 8-32 rows; 256x688 lost at 1 row (0.6x)
+# 512K weights: 768x768 won 1.2-1.6x at 8-32 rows; 256x688 lost at one row (0.6x)
+MIN_PACKED_WEIGHTS = 1 << 19
 
 
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
