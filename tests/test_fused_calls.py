@@ -245,3 +245,26 @@ def test_threads_calling_one_executor_fuse_apart(checkpoints, one_thread):
     assert not errors
     for i in range(2):
         assert torch.equal(results[i], expected[i])
+
+
+def test_the_jobs_priority_gate_keeps_calls_fused(checkpoints, one_thread):
+    """`serve --jobs-dir` routes the engine's calls through one InferenceExecutor per
+    executor: q/k/v and gate/up stay one call each, with the same bits."""
+    from symbiont.client.virt import VirtLayer
+    from symbiont.jobs.priority import InferenceExecutor, PriorityGate, give_inference_priority
+
+    path = checkpoints("llama")
+    gated, counting = _client(path, fuses=True)
+    plain, _ = _client(path, fuses=False)
+    give_inference_priority(gated, PriorityGate())
+    wrappers = {m.executor for m in gated.modules() if isinstance(m, VirtLayer)}
+    assert len(wrappers) == 1, "one wrapper per executor, so fusion is learned across layers"
+    assert isinstance(next(iter(wrappers)), InferenceExecutor)
+    ids = _ids(seed=3)
+    with torch.no_grad():
+        gated(input_ids=ids)
+        counting.calls.clear()
+        out = gated(input_ids=ids).logits
+        ref = plain(input_ids=ids).logits
+    assert torch.equal(out, ref)
+    assert counting.calls["FUSED"] == 2 * _n_blocks(gated)

@@ -76,6 +76,10 @@ class _Wrapped(Executor):
     def manifest(self) -> Manifest:
         return self.inner.manifest
 
+    @property
+    def fuses_calls(self) -> bool:  # q/k/v and gate/up stay one call through the gate
+        return self.inner.fuses_calls
+
     def close(self) -> None:
         """The inner executor belongs to whoever opened it."""
 
@@ -93,6 +97,14 @@ class InferenceExecutor(_Wrapped):
         finally:
             self.gate.inference_done()
 
+    def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        self.gate.inference_started()
+        try:
+            with self.gate.calls:
+                return self.inner.forward_fused(layers, x)
+        finally:
+            self.gate.inference_done()
+
 
 class TrainingExecutor(_Wrapped):
     def __init__(self, inner: Executor, gate: PriorityGate, check: Callable[[], None]):
@@ -105,6 +117,12 @@ class TrainingExecutor(_Wrapped):
         with self.gate.calls:
             return self.inner.call(op, layer, x)
 
+    def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        self.check()
+        self.gate.wait_for_inference()
+        with self.gate.calls:
+            return self.inner.forward_fused(layers, x)
+
 
 def model_executor(model: torch.nn.Module) -> Executor:
     """The executor the base layers of `model` (a client model) call."""
@@ -116,7 +134,12 @@ def model_executor(model: torch.nn.Module) -> Executor:
 
 
 def give_inference_priority(model: torch.nn.Module, gate: PriorityGate) -> None:
-    """Route every base-layer call of `model` (the serving engine's) through the gate."""
+    """Route every base-layer call of `model` (the serving engine's) through the gate, one
+    wrapper per executor: fused calls are learned per executor object."""
+    wrappers: dict[int, InferenceExecutor] = {}
     for module in model.modules():
         if isinstance(module, VirtLayer) and not isinstance(module.executor, InferenceExecutor):
-            module.executor = InferenceExecutor(module.executor, gate)
+            inner = module.executor
+            if id(inner) not in wrappers:
+                wrappers[id(inner)] = InferenceExecutor(inner, gate)
+            module.executor = wrappers[id(inner)]
