@@ -58,7 +58,7 @@ class VirtLayer:
     @executor.setter
     def executor(self, executor: Executor) -> None:
         # Forward calls fuse (q/k/v, gate/up: one call, one matmul) when the executor
-        # computes them in one pass; a wrapper (masking, priority gates) is called alone.
+        # computes them in one pass; a masking wrapper is called one layer at a time.
         self._executor = executor
         self._fusion = fusion_for(executor) if executor.fuses_calls else None
 
