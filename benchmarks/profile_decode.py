@@ -46,7 +46,14 @@ from collections import defaultdict
 
 import torch
 
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "mkldnn::_linear_pointwise",  # the packed weights of --prepack (symbiont/base/prepack.py)
+}
 
 
 class Timers:
@@ -155,7 +162,8 @@ def forward_split(args, engine) -> dict[str, float]:
         if event.name == "symbiont::forward":
             totals["forward"] += event.cpu_time_total
             continue
-        if not event.name.startswith("aten::") or not _inside(event, "symbiont::forward"):
+        is_op = event.name.startswith(("aten::", "mkldnn::"))
+        if not is_op or not _inside(event, "symbiont::forward"):
             continue
         self_us = event.self_cpu_time_total
         if _inside(event, "symbiont::attention"):
@@ -314,6 +322,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prepack",
+        action="store_true",
+        help="base weights packed for oneDNN, as `symbiont serve` runs by default",
+    )
     p.add_argument("--json", help="also write the breakdown here")
     p.add_argument(
         "--fusion-ab",
@@ -336,7 +349,10 @@ def main(argv=None) -> int:
     config = EngineConfig(
         max_running=args.batch, max_batched_tokens=args.max_batched_tokens, max_queue=args.batch
     )
-    engine = Engine.from_pretrained(model, config=config)
+    from symbiont.tenant import open_executor
+
+    executor = open_executor(model, prepack=args.prepack)
+    engine = Engine.from_pretrained(model, config=config, executor=executor)
     if args.fusion_ab:
         return print_fusion_ab(args, model, engine)
     phases, sequences, _ = engine_phases(args, engine)

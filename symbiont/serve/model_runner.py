@@ -20,6 +20,7 @@ from symbiont.serve.adapters import AdapterRegistry, adapter_batch
 from symbiont.serve.attention import register_attention
 from symbiont.serve.context import AttnGroup, PoolRows, StepContext, use_context
 from symbiont.serve.kv_cache import PagedKVCache
+from symbiont.serve.lean import LeanForward
 from symbiont.serve.scheduler import ScheduledSeq
 
 # A decode view may compute at most this many rows per sequence it serves: rows between
@@ -51,9 +52,18 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, adapters: AdapterRegistry):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_cache: PagedKVCache,
+        adapters: AdapterRegistry,
+        *,
+        lean: bool = True,
+    ):
         self.model = model.eval()
         self.model.set_attn_implementation(register_attention())
+        # Llama-shaped decoders: the same submodules without transformers' wrappers
+        self.lean = LeanForward.of(model) if lean else None
         self.kv_cache = kv_cache
         self.adapters = adapters
         self.device = model.get_input_embeddings().weight.device
@@ -71,10 +81,13 @@ class ModelRunner:
         # VirtLayers fuse q/k/v and gate/up into one executor call (client/fusion.py)
         with torch.no_grad(), use_context(batch.ctx):
             inputs = {"input_ids": batch.ids[None]}
+            embeds = None
             if batch.virtual_rows is not None:  # peft's inputs_embeds, virtual rows put in
                 embeds = self.model.get_input_embeddings()(batch.ids)  # [n_tokens, hidden]
                 embeds[batch.virtual_rows] = batch.virtual_embeds.to(embeds.dtype)
                 inputs = {"inputs_embeds": embeds[None]}
+            if self.lean is not None and self.lean.applies():
+                return self.lean(batch.ids, embeds, batch.positions, batch.keep_rows)
             out = self.model(
                 **inputs,
                 position_ids=batch.positions[None],

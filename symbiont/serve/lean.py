@@ -1,0 +1,191 @@
+"""The serving forward of Llama-shaped decoders without transformers' module wrappers.
+
+For Llama, Mistral and Qwen2 causal LMs the engine runs its flattened batch through this
+loop instead of `model(...)`. It calls the same submodules in the same order as
+transformers' code (every projection, so VirtLayers, fused executor calls, adapter and
+delta wrappers all run unchanged) and `paged_attention` directly; what it leaves out is
+the Python around them: the output-capturing and kwargs decorators, the
+`GradientCheckpointingLayer` wrapper, per-layer module dispatch, the causal-mask builder
+(the paged attention builds its own) and the output dataclasses. On a CPU decode step of
+a small model that Python is a large part of the step (BENCHMARKS.md, issue 17).
+
+Two of its steps do the same arithmetic in fewer tensor operations, with bitwise equal
+results in float32 (`tests/test_lean_forward.py`):
+- RMSNorm as one `F.rms_norm` call (transformers: upcast, square, mean, rsqrt, two
+  multiplies, downcast), only when the hidden states are float32; other dtypes call the
+  module, whose rounding to the input dtype before the weight multiply differs;
+- rotary position embedding applied to queries and keys together (one concatenation
+  along heads, then transformers' `q * cos + rotate_half(q) * sin` once).
+
+`LeanForward.of` returns None for anything it does not know exactly (another
+architecture, a subclassed layer, QK-norm, attention sinks); the runner then calls the
+model as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from symbiont.serve.attention import paged_attention
+
+# model_type -> (module of the modeling code, class-name prefix): the classes whose
+# forward this file reproduces (transformers 5.x)
+KNOWN = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    attn: nn.Module  # its q/k/v/o projections are called; its layer_idx names the KV pool
+    input_norm: nn.Module
+    post_norm: nn.Module
+    mlp: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    window: int | None
+
+
+class LeanForward:
+    """`forward(ids | embeds, positions, keep_rows)` of the flattened batch -> logits."""
+
+    def __init__(self, model: nn.Module, layers: list[_Layer]):
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary_emb
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+        self.layers = layers
+        # modules whose forward the loop replaces: a hook on one needs transformers' forward
+        self.skipped = [model, model.model, *model.model.layers, *(x.attn for x in layers)]
+
+    def applies(self) -> bool:
+        """False while a hook sits on a module whose forward this loop skips."""
+        return not any(_hooked(module) for module in self.skipped)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LeanForward | None:
+        """The lean forward of `model`, or None where it would not be exactly the model's."""
+        known = KNOWN.get(getattr(model.config, "model_type", None))
+        if known is None or getattr(model.config, "pretraining_tp", 1) != 1:
+            return None
+        import importlib
+
+        modeling = importlib.import_module(known[0])
+        prefix = known[1]
+        classes = {
+            name: getattr(modeling, prefix + name, None)
+            for name in ("ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RMSNorm")
+        }
+        if None in classes.values() or type(model) is not classes["ForCausalLM"]:
+            return None
+        inner = model.model
+        if type(inner) is not classes["Model"] or type(inner.norm) is not classes["RMSNorm"]:
+            return None
+        layers = []
+        for layer in inner.layers[: model.config.num_hidden_layers]:
+            if not _is_plain_layer(layer, classes):
+                return None
+            layers.append(_layer_of(layer, model.config))
+        return cls(model, layers)
+
+    def __call__(
+        self,
+        ids: torch.Tensor | None,  # [n_tokens]
+        embeds: torch.Tensor | None,  # [n_tokens, hidden] instead of ids (virtual tokens)
+        positions: torch.Tensor,  # [n_tokens]
+        keep_rows: torch.Tensor,  # [n_keep] rows whose logits are computed
+    ) -> torch.Tensor:
+        """-> [n_keep, vocab]; call under no_grad inside the step's `use_context`."""
+        # [1, n, hidden]; the modules see transformers' shapes, for hooks on them (deltas)
+        h = self.embed(ids[None]) if embeds is None else embeds[None]
+        cos, sin = self.rotary(h, position_ids=positions[None])  # [1, n, head_dim] each
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]: broadcast over heads
+        for layer in self.layers:
+            h = h + self._attention(layer, _rms_norm(layer.input_norm, h), cos, sin)
+            h = h + layer.mlp(_rms_norm(layer.post_norm, h))
+        h = _rms_norm(self.norm, h)
+        return self.lm_head(h[:, keep_rows])[0]
+
+    @staticmethod
+    def _attention(layer: _Layer, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """transformers' attention forward with the paged attention: [1, n, hidden] ->
+        [1, n, hidden]."""
+        attn, n, hd = layer.attn, x.shape[1], layer.head_dim
+        q = attn.q_proj(x).view(1, n, layer.heads, hd).transpose(1, 2)  # [1, heads, n, hd]
+        k = attn.k_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)
+        qk = torch.cat((q, k), dim=1)  # [1, heads + kv_heads, n, hd]
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, : layer.heads], qk[:, layer.heads :]
+        out, _ = paged_attention(
+            attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.window
+        )  # [1, n, heads, hd]
+        return attn.o_proj(out.reshape(1, n, -1).contiguous())
+
+
+def _is_plain_layer(layer: nn.Module, classes: dict) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return (
+        type(layer) is classes["DecoderLayer"]
+        and type(attn) is classes["Attention"]
+        and type(mlp) is classes["MLP"]
+        and type(layer.input_layernorm) is classes["RMSNorm"]
+        and type(layer.post_attention_layernorm) is classes["RMSNorm"]
+        and not hasattr(attn, "q_norm")
+        and not hasattr(attn, "sinks")
+    )
+
+
+def _layer_of(layer: nn.Module, config) -> _Layer:
+    attn = layer.self_attn
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if hasattr(attn, "sliding_window"):  # Qwen2: per layer type
+        window = attn.sliding_window
+    elif config.model_type == "mistral":  # Mistral: the config's, every layer
+        window = getattr(config, "sliding_window", None)
+    else:
+        window = None
+    return _Layer(
+        attn=attn,
+        input_norm=layer.input_layernorm,
+        post_norm=layer.post_attention_layernorm,
+        mlp=layer.mlp,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=attn.head_dim,
+        scaling=attn.scaling,
+        window=window,
+    )
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm; in float32 as one fused call (bitwise equal), unless hooks
+    (a served delta's, symbiont/serve/deltas.py) must see the module run."""
+    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32 or _hooked(norm):
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _hooked(module: nn.Module) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,132 @@
+"""The engine's lean forward (symbiont/serve/lean.py) against transformers' own forward of
+the same client model: every step's logits bitwise equal (float32), with and without
+adapters of every kind the engine applies inside the layers, with prompt and prefix
+tuning's virtual tokens, chunked prefill and sliding windows; and the architectures it
+must leave to transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import peft
+import pytest
+import torch
+
+from symbiont import BaseExecutor, load_client
+from symbiont.serve import Engine, EngineConfig, SamplingParams
+from symbiont.serve.lean import LeanForward
+from tests.test_serve_common import lora_config, prompts, save_adapter
+from tests.tiny_models import ARCHS, build_checkpoint
+
+GREEDY = SamplingParams(max_tokens=7, temperature=0.0)
+CHUNKED = EngineConfig(max_running=6, max_batched_tokens=11, block_size=4, num_blocks=128)
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2_bias": ("qwen2", {}),  # q/k/v projections with bias
+    "mistral_window": ("mistral", {"sliding_window": 5}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def base(request, tmp_path_factory):
+    arch, extra = VARIANTS[request.param]
+    config = {**ARCHS[arch].config, **extra}
+    return build_checkpoint(
+        dataclasses.replace(ARCHS[arch], config=config), tmp_path_factory.mktemp(request.param)
+    )
+
+
+def adapter_configs() -> dict:
+    return {
+        "lora": lora_config("llama", 4),
+        "ia3": peft.IA3Config(
+            target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        ),
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"),
+        "prompt": peft.PromptTuningConfig(num_virtual_tokens=3),
+        "prefix": peft.PrefixTuningConfig(num_virtual_tokens=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, config) in enumerate(adapter_configs().items()):
+        config.task_type = "CAUSAL_LM"
+        out[name] = save_adapter(base, config, folder / name, seed=60 + i)
+    return out
+
+
+def engine_for(base, adapters, lean: bool) -> Engine:
+    config = dataclasses.replace(CHUNKED, lean_forward=lean)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def recorded_run(engine: Engine, batch, names) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Generated tokens and the logits of every iteration."""
+    logits, forward = [], engine.runner.forward
+
+    def recording(step_batch):
+        out = forward(step_batch)
+        logits.append(out.clone())
+        return out
+
+    engine.runner.forward = recording
+    return engine.generate(batch, names, GREEDY), logits
+
+
+def test_lean_forward_is_chosen_for_llama_shaped_decoders(base):
+    lean = engine_for(base, {}, lean=True)
+    assert lean.runner.lean is not None
+    assert engine_for(base, {}, lean=False).runner.lean is None
+
+
+def test_every_step_equals_transformers_forward_bitwise(base, adapters, one_thread):
+    """Mixed adapters in one batch, prefill chunked at 11 tokens per iteration."""
+    names = [None, "lora", "ia3", "dora", "prompt", "prefix", None, "lora"]
+    batch = prompts(len(names), seed=3, low=3, high=17)
+    got, got_logits = recorded_run(engine_for(base, adapters, lean=True), batch, names)
+    want, want_logits = recorded_run(engine_for(base, adapters, lean=False), batch, names)
+    assert got == want
+    assert len(got_logits) == len(want_logits) > len(batch)
+    for step, (a, b) in enumerate(zip(got_logits, want_logits, strict=True)):
+        assert torch.equal(a, b), f"iteration {step}: max diff {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3", "phi3"])
+def test_other_architectures_keep_transformers_forward(checkpoints, arch):
+    """Gemma scales embeddings and norms differently, Qwen3 normalises q and k, Phi-3
+    fuses its projections: the lean loop would not be their forward."""
+    model = load_client(checkpoints(arch), BaseExecutor.from_pretrained(checkpoints(arch)))
+    assert LeanForward.of(model) is None
+
+
+def test_a_subclassed_layer_keeps_transformers_forward(checkpoints):
+    model = load_client(checkpoints("llama"), BaseExecutor.from_pretrained(checkpoints("llama")))
+    assert LeanForward.of(model) is not None
+    layer = model.model.layers[0]
+
+    class Patched(type(layer)):
+        pass
+
+    layer.__class__ = Patched
+    assert LeanForward.of(model) is None
+
+
+def test_a_hook_on_a_skipped_module_gets_transformers_forward(checkpoints):
+    engine = Engine(
+        load_client(checkpoints("llama"), BaseExecutor.from_pretrained(checkpoints("llama"))),
+        CHUNKED,
+    )
+    batch = prompts(2, seed=4)
+    seen = []
+    engine.model.model.layers[1].register_forward_hook(lambda *a: seen.append(1))
+    assert not engine.runner.lean.applies()
+    engine.generate(batch, [None, None], GREEDY)
+    assert seen, "the decoder layer's hook never ran"
