@@ -32,6 +32,11 @@ and `no_grad, fused` (the engine's default: one executor call and one matmul for
 and for gate/up).
 
     python benchmarks/profile_decode.py --model default --batch 32 --fusion-ab 6
+
+`--lean-ab ROUNDS` times decode steps with transformers' forward of the model and the
+engine's lean forward (symbiont/serve/lean.py), taken in turn:
+
+    python benchmarks/profile_decode.py --model default --batch 16 --steps 10 --lean-ab 10
 """
 
 from __future__ import annotations
@@ -304,6 +309,46 @@ def fusion_ab(args, engine) -> list[tuple[str, float, float]]:
     return [(name, step_s[name] * 1000 / n, forward_s[name] * 1000 / n) for name, *_ in FUSION_ARMS]
 
 
+def lean_ab(args, engine) -> list[tuple[str, float]]:
+    """(arm, ms per decode step) of transformers' forward and the lean one
+    (symbiont/serve/lean.py), taken in turn (order alternating per round) for
+    `args.lean_ab` rounds of `args.steps` steps each."""
+    lean = engine.runner.lean
+    if lean is None:
+        raise SystemExit(f"{args.model}: no lean forward for this architecture")
+    _, reqs = requests(args, engine.runner.vocab_size)
+    for request in reqs:
+        engine.add_request(request)
+    while any(seq.num_computed < seq.prompt_len for r in reqs for seq in r.sequences):
+        engine.step()
+    arms = (("transformers forward", None), ("lean forward", lean))
+    step_s = defaultdict(float)
+    for round_ in range(args.lean_ab):
+        for name, forward in arms if round_ % 2 == 0 else arms[::-1]:
+            engine.runner.lean = forward
+            engine.step()  # warm
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            step_s[name] += time.perf_counter() - start
+    engine.runner.lean = lean
+    return [(name, step_s[name] * 1000 / (args.lean_ab * args.steps)) for name, _ in arms]
+
+
+def print_lean_ab(args, model: str, engine) -> int:
+    rows = lean_ab(args, engine)
+    print(
+        f"model {model}: {args.batch} sequences decoding, prompts {args.prompt_len} tokens, "
+        f"{args.threads} thread(s), {args.lean_ab} rounds of {args.steps} steps per setting\n"
+    )
+    print("| forward | ms/step | transformers / this |\n|---|---:|---:|")
+    for name, step in rows:
+        print(f"| {name} | {step:.2f} | {rows[0][1] / step:.3f}x |")
+    with contextlib.suppress(Exception):
+        engine.close()
+    return 0
+
+
 def _vocab(model: str) -> int:
     from transformers import AutoConfig
 
@@ -335,10 +380,19 @@ def main(argv=None) -> int:
         metavar="ROUNDS",
         help="instead: time decode steps with and without fused q/k/v and gate/up calls",
     )
+    p.add_argument(
+        "--lean-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: time decode steps with transformers' forward and the lean one",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
     if args.fusion_ab:
         args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
+    if args.lean_ab:
+        args.max_tokens = (args.steps + 1) * args.lean_ab * 2 + 8
     torch.set_num_threads(args.threads)
 
     import symbiont
@@ -355,6 +409,8 @@ def main(argv=None) -> int:
     engine = Engine.from_pretrained(model, config=config, executor=executor)
     if args.fusion_ab:
         return print_fusion_ab(args, model, engine)
+    if args.lean_ab:
+        return print_lean_ab(args, model, engine)
     phases, sequences, _ = engine_phases(args, engine)
     split = forward_split(args, engine)
     outside, inside, http_steps = http_cost(args, model)
