@@ -258,10 +258,14 @@ def staller_job(path: str, url: str, ready, go_on, results) -> None:
                 calls += 1
                 if calls == 20:
                     ready.put(os.getpid())
+            # within fp32 rounding, not bitwise: the transport fuses calls fed one tensor
+            # (one matmul over sibling layers sums in another order than one layer's)
             ok = all(
-                torch.equal(
+                torch.allclose(
                     executor.forward(s.id, x[:, : s.in_features]),
                     base.forward(s.id, x[:, : s.in_features]),
+                    rtol=1e-5,
+                    atol=1e-6,
                 )
                 for s in layers
             )
