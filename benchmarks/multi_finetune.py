@@ -299,22 +299,24 @@ def _profile(results: list[dict], before: dict, after: dict, window: float, args
 
     compute_s = total_s("mean_compute_ms", "batches")
     queue_s = total_s("mean_queue_wait_ms", "calls")
-    client_calls = sum(r["calls"] for r in results)
-    client_call_s = sum(r["call_s"] for r in results)
     steps = len(results) * args.steps
-    per_call = client_call_s / max(client_calls, 1)
     return {
         "step_s": sum(r["t_end"] - r["t_start"] for r in results) / steps,
-        "calls_per_step": client_calls / steps,
-        "in_calls_s": client_call_s / steps,  # per step, client's clock
-        "call_us": 1e6 * per_call,
-        "queue_us": 1e6 * queue_s / max(calls, 1),  # waiting for batch partners
-        # a call's share of its batch's compute (several calls share one batch)
-        "compute_us": 1e6 * compute_s / max(calls, 1),
-        "batch_compute_us": 1e6 * compute_s / max(batches, 1),
+        # per step of one job: the client's own clock inside executor calls, and this
+        # job's share of the executor's compute and queueing (all jobs' totals / steps)
+        "in_calls_s": sum(r["call_s"] for r in results) / steps,
+        "compute_s": compute_s / steps,
+        "queue_s": queue_s / steps,
+        "layer_calls_per_step": sum(r["calls"] for r in results) / steps,
+        "round_trips_per_step": calls / steps,  # q/k/v and gate/up travel as one call
         "calls_per_batch": calls / max(batches, 1),
         "executor_busy": compute_s / window,
     }
+
+
+def _step_s(outcome: Outcome, args) -> float:
+    """Mean seconds per step of one job, from the arm's aggregate throughput."""
+    return outcome.jobs * args.batch * args.seq / outcome.tokens_per_s
 
 
 def _spawn_worker(arm, i, model_dir, url, run_dir, args):
@@ -350,7 +352,7 @@ def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
         time.sleep(0.05)
 
 
-def report(rows: list[dict[str, Outcome]]) -> str:
+def report(rows: list[dict[str, Outcome]], args) -> str:
     gib = 2**30
     arms = [a for a in ARMS if a in rows[0]]
     head = f"{'N':>3} " + " ".join(f"{a + ' tok/s':>15}" for a in arms)
@@ -382,25 +384,38 @@ def report(rows: list[dict[str, Outcome]]) -> str:
         extra = f", executor {o.executor_pss / gib:.2f} GiB" if a == "symbiont" else ""
         lines.append(f"  {a}: {o.per_job_pss / gib:.2f} GiB per job{extra}")
     if "symbiont" in arms:
-        lines += ["", "split: where a client's step goes (per step of one job; calls per step)"]
+        lines += [
+            "",
+            "split: where one job's step goes, ms per step (executor figures: all jobs' / steps)",
+        ]
         lines.append(
-            f"{'N':>3} {'step s':>8} {'calls':>6} {'in calls':>9} {'call us':>8} "
-            f"{'matmul':>8} {'queue':>8} {'rest':>8} {'calls/batch':>12} {'exec busy':>10}"
+            f"{'N':>3} {'step':>8} {'own work':>9} {'in calls':>9} {'compute':>8} "
+            f"{'queue':>8} {'rest':>8} {'trips':>6} {'calls/batch':>12} {'exec busy':>10}"
         )
         for row in rows:
             p = row["symbiont"].profile
-            rest = p["call_us"] - p["queue_us"] - p["compute_us"]
+            rest = p["in_calls_s"] - p["queue_s"] - p["compute_s"]
+            ms = [1e3 * v for v in (p["step_s"], p["step_s"] - p["in_calls_s"], p["in_calls_s"])]
+            ms += [1e3 * v for v in (p["compute_s"], p["queue_s"], rest)]
             lines.append(
-                f"{row['symbiont'].jobs:>3} {p['step_s']:>8.3f} {p['calls_per_step']:>6.0f} "
-                f"{p['in_calls_s'] / p['step_s']:>8.0%} {p['call_us']:>8.0f} "
-                f"{p['compute_us']:>8.0f} {p['queue_us']:>8.0f} {rest:>8.0f} "
+                f"{row['symbiont'].jobs:>3} {ms[0]:>8.1f} {ms[1]:>9.1f} {ms[2]:>9.1f} "
+                f"{ms[3]:>8.1f} {ms[4]:>8.1f} {ms[5]:>8.1f} {p['round_trips_per_step']:>6.0f} "
                 f"{p['calls_per_batch']:>12.2f} {p['executor_busy']:>9.0%}"
             )
         lines.append(
-            "(in calls: share of the step the client waits on the executor; call us: mean "
-            "per call on the client's clock = matmul (its share of the batch's compute) + "
-            "queue (waiting for batch partners) + rest (transport, Python on both sides))"
+            "(own work: the client outside executor calls (attention, norms, LoRA, optimizer); "
+            "in calls: waiting on the executor = compute (this job's share of the executor's "
+            "matmuls) + queue (waiting for batch partners) + rest (transport, Python on both "
+            "sides, waiting while other jobs' batches compute); trips: round trips per step"
         )
+        if "vanilla" in arms:
+            lines.append(
+                "vanilla step ms, for comparison: "
+                + ", ".join(
+                    f"N={row['vanilla'].jobs}: {1e3 * _step_s(row['vanilla'], args):.1f}"
+                    for row in rows
+                )
+            )
     return "\n".join(lines)
 
 
@@ -488,7 +503,7 @@ def main(argv=None) -> int:
             f"{a} {o.tokens_per_s:.1f} tok/s {o.peak_pss / 2**30:.2f} GiB" for a, o in row.items()
         ), flush=True)  # fmt: skip
     print()
-    print(report(rows))
+    print(report(rows, args))
     return 0
 
 

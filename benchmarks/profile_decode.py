@@ -145,7 +145,12 @@ def forward_split(args, engine) -> dict[str, float]:
         with torch.profiler.record_function("symbiont::attention"):
             return paged_attention(*a, **kw)
 
+    from symbiont.serve import lean
+
+    # transformers' forward finds attention through its registry; the lean forward
+    # (the default) calls it by name
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+    lean.paged_attention = attention
     forward = engine.runner.forward
     walls = []
 
@@ -162,6 +167,7 @@ def forward_split(args, engine) -> dict[str, float]:
             engine.step()
     engine.runner.forward = forward
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    lean.paged_attention = paged_attention
     totals = defaultdict(float)
     for event in prof.events():
         if event.name == "symbiont::forward":

@@ -492,3 +492,62 @@ def test_batches_on_worker_threads_answer_each_client_and_fail_only_the_broken_l
             ):
                 executor.forward(broken, torch.ones(2, base.manifest.layers[broken].in_features))
         assert server._in_flight == 0
+
+
+def test_one_client_may_spin_beside_idle_workers_two_may_not(checkpoints, tmp_path):
+    """With one client the loop computes its calls inline and the workers sleep, so on two
+    cores client and loop take turns and both may spin; a second client puts the workers
+    to work and nobody may spin any more (spinning would take their cores)."""
+    from symbiont.protocol import shm
+
+    path = checkpoints("llama")
+    config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=2)
+    server = ExecutorServer(symbiont.BaseExecutor.from_pretrained(path), config)
+    server.bind()
+    thread = serving_thread(server)
+    x = torch.ones(2, server.manifest.layers[0].in_features)
+    try:
+        with remote(server.endpoints[0]) as first:
+            first.forward(0, x)
+            assert first.transport == "shm"
+            assert first._segment.ctrl[shm.SPIN_OK] == 1
+            with remote(server.endpoints[0]) as second:
+                second.forward(0, x)
+                assert first._segment.ctrl[shm.SPIN_OK] == 0
+                assert second._segment.ctrl[shm.SPIN_OK] == 0
+            deadline = time.monotonic() + 5  # the second session is freed as it says bye
+            while first._segment.ctrl[shm.SPIN_OK] != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert first._segment.ctrl[shm.SPIN_OK] == 1
+    finally:
+        server.stop()
+        thread.join(10)
+
+
+def test_a_client_left_open_prints_nothing_at_interpreter_exit(checkpoints, tmp_path):
+    """A script that dies with a client still connected shows its own traceback and no
+    'Exception ignored in ... __del__' from the client's finalizer (which runs while the
+    interpreter tears its modules down)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave_open.py"
+    script.write_text(
+        "import threading, torch, symbiont\n"
+        "from symbiont.base.config import ServiceConfig\n"
+        "from symbiont.base.server import ExecutorServer\n"
+        f"base = symbiont.BaseExecutor.from_pretrained({str(checkpoints('llama'))!r})\n"
+        "server = ExecutorServer(base, ServiceConfig(bind=('tcp://127.0.0.1:*',), spin_us=0))\n"
+        "server.bind()\n"
+        "threading.Thread(target=server.serve_forever, daemon=True).start()\n"
+        "client = symbiont.connect(server.endpoints[0], spin_us=0, timeout_s=10)\n"
+        "client.forward(0, torch.ones(2, base.manifest.layers[0].in_features))\n"
+        "raise SystemExit('left open on purpose')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "left open on purpose" in done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

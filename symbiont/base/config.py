@@ -113,7 +113,11 @@ class ServiceConfig:
         metadata={"help": "seconds a session that has made no call yet is kept"},
     )
     spin_us: float = field(
-        default=2000.0, metadata={"help": "shared-memory spin window after the last call (µs)"}
+        default=10000.0,
+        metadata={
+            "help": "shared-memory spin window after the last call (µs); spinning is on only "
+            "while the loop and each same-host client can have a core"
+        },
     )
     allow_shm: bool = field(
         default=True, metadata={"help": "refuse shared-memory clients", "flag": "--no-shm"}

@@ -759,7 +759,11 @@ class ExecutorServer:
     def _update_spin(self) -> None:
         """Spin only while the executor and each client can have a core (same host or not:
         a remote client's calls still find the loop awake)."""
-        busy = 1 + (self.config.workers if self._pool is not None else 0)  # loop + workers
+        # The loop, plus the workers once they can be used: with one client the loop
+        # computes its calls inline (see `_run`) and the workers sleep, so client and loop
+        # take turns on two cores and both may spin.
+        workers = self._pool is not None and len(self.sessions) > 1
+        busy = 1 + (self.config.workers if workers else 0)
         self._spin_ok = self._spin_s > 0 and len(self.sessions) + busy <= self._cores
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
