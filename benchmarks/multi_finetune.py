@@ -275,6 +275,8 @@ def _policy_flags(args) -> list[str]:
         flags += ["--spin-us", str(args.spin_us)]
     if args.max_wait_ms is not None:
         flags += ["--max-wait-ms", str(args.max_wait_ms)]
+    if args.policy is not None:
+        flags += ["--policy", args.policy]
     return flags
 
 
@@ -467,6 +469,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--max-wait-ms", type=float, default=None, help="serve-base --max-wait-ms (batching wait)"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("opportunistic", "lockstep", "no-lockstep"),
+        default=None,
+        help="serve-base --policy (batching policy; default: serve-base's)",
     )
     parser.add_argument("--work", default=None, help="folder for the models and logs")
     parser.add_argument(
