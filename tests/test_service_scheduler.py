@@ -97,6 +97,23 @@ def test_no_lockstep_runs_calls_one_by_one_in_arrival_order():
     assert [c.session for c in sched.pop_ready(0.2)] == [b]
 
 
+def test_opportunistic_without_merging_runs_calls_one_by_one_without_waiting():
+    """The server turns merging off while each client has a worker thread of its own."""
+    sched, (a, b, c) = scheduler(max_wait_s=0.01, wait_per_token_s=1e-3)
+    c.last_reply, c.last_layer = 0.0, 1  # would be waited for, were merging on
+    sched.merge = False
+    sched.submit(call(a, 2, 5, at=0.0))
+    sched.submit(call(b, 2, 7, at=0.001))
+    assert [x.session for x in sched.pop_ready(0.001)] == [a], "no wait for company"
+    assert [x.session for x in sched.pop_ready(0.001)] == [b]
+    assert sched.pop_ready(0.001) is None
+    sched.merge = True
+    sched.submit(call(a, 2, 5, at=0.002))
+    sched.submit(call(b, 2, 7, at=0.002))
+    batch = sched.pop_ready(0.0071)
+    assert batch is not None and {x.session for x in batch} == {a, b}
+
+
 def test_lockstep_waits_for_every_active_client():
     sched, (a, b, _) = scheduler(PolicyKind.LOCKSTEP, max_wait_s=0.01)
     a.last_reply = b.last_reply = 0.0

@@ -497,7 +497,8 @@ def test_batches_on_worker_threads_answer_each_client_and_fail_only_the_broken_l
 def test_one_client_may_spin_beside_idle_workers_two_may_not(checkpoints, tmp_path):
     """With one client the loop computes its calls inline and the workers sleep, so on two
     cores client and loop take turns and both may spin; a second client puts the workers
-    to work and nobody may spin any more (spinning would take their cores)."""
+    to work and nobody may spin any more (spinning would take their cores). Calls are
+    merged into one batch only once there are more clients than workers."""
     from symbiont.protocol import shm
 
     path = checkpoints("llama")
@@ -515,6 +516,11 @@ def test_one_client_may_spin_beside_idle_workers_two_may_not(checkpoints, tmp_pa
                 second.forward(0, x)
                 assert first._segment.ctrl[shm.SPIN_OK] == 0
                 assert second._segment.ctrl[shm.SPIN_OK] == 0
+                # Two clients, two workers: each call on a worker of its own, no merging.
+                assert server.scheduler.merge is False
+                with remote(server.endpoints[0]) as third:
+                    third.forward(0, x)
+                    assert server.scheduler.merge is True, "more clients than workers"
             deadline = time.monotonic() + 5  # the second session is freed as it says bye
             while first._segment.ctrl[shm.SPIN_OK] != 1 and time.monotonic() < deadline:
                 time.sleep(0.01)

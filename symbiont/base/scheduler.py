@@ -93,6 +93,10 @@ class Scheduler:
         self.fifo: deque[Call] = deque()  # arrival order, for no-lockstep
         self.deadline: dict[int, float] = {}  # layer -> when its most impatient call is due
         self.lockstep_timeout_s = max(policy.max_wait_s, 1.0)
+        # Whether the opportunistic policy may hold calls to merge them; the server turns
+        # it off while every client can have a worker thread of its own (see the server's
+        # `_fit_to_sessions`), and the calls then run one by one in arrival order.
+        self.merge = True
 
     def __len__(self) -> int:
         return len(self.fifo)
@@ -118,7 +122,7 @@ class Scheduler:
         if not self.fifo:
             return None
         kind = self.policy.kind
-        if kind is PolicyKind.NO_LOCKSTEP:
+        if kind is PolicyKind.NO_LOCKSTEP or (kind is PolicyKind.OPPORTUNISTIC and not self.merge):
             return self._take(self.fifo[0].layer, limit=1)
         layer = self._lockstep(now) if kind is PolicyKind.LOCKSTEP else self._opportunistic(now)
         return None if layer is None else self._take(layer)

@@ -328,7 +328,7 @@ class ExecutorServer:
             last_seen=now,
         )
         self.sessions[key] = session
-        self._update_spin()
+        self._fit_to_sessions()
         log.info("client %s connected (pid %d on %s)", session.label, session.pid, session.host)
         welcome = Welcome(
             call_id=hello.call_id,
@@ -385,7 +385,7 @@ class ExecutorServer:
             session.segment.close()
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
-        self._update_spin()
+        self._fit_to_sessions()
         self._send(session.key, encode(Ok(call_id=attach.call_id, segment=segment.path)))
 
     def _frame_call(self, session: Session, call: Call, frames: list) -> None:
@@ -754,7 +754,18 @@ class ExecutorServer:
             session.segment.ctrl[shm.CLOSED] = 1  # the client says HELLO again
             session.segment.close()
             session.segment = None
+        self._fit_to_sessions()
+
+    def _fit_to_sessions(self) -> None:
+        """After a client came or went: whether to spin, and whether to merge calls."""
         self._update_spin()
+        # On a CPU, merging two clients' calls of one layer saves only 6-11% of the
+        # arithmetic (a 256-row matmul against four 64-row ones) but runs them on one
+        # worker: while every client can have a worker of its own, keep calls apart so
+        # the workers compute side by side (BENCHMARKS.md, issue 17, session 8).
+        self.scheduler.merge = not (
+            self._pool is not None and self._on_cpu and len(self.sessions) <= self.config.workers
+        )
 
     def _update_spin(self) -> None:
         """Spin only while the executor and each client can have a core (same host or not:
