@@ -18,7 +18,9 @@ Three ways of running the same N jobs on the same cores, each measured in this r
 
 Memory is PSS (proportional set size: shared pages divided among the processes that map
 them) of every process of an arm, read from /proc/PID/smaps_rollup at the same instant
-every 0.2 s; the peak of their sum is reported. Throughput is all tokens / (last end -
+every 0.2 s until the timed steps start (loading, optimizer state and a whole warm-up step
+of the same shapes come first) and every 2 s during them, since each read stalls the
+process it reads; the peak of their sum is reported. Throughput is all tokens / (last end -
 first start) over a window that all N jobs measure together (they load, take a warm-up
 step, then wait at a barrier).
 
@@ -158,6 +160,9 @@ def _load(args):
 # --------------------------------------------------------------------------- memory
 
 
+MEASURED_PSS_INTERVAL_S = 2.0  # PSS sampling period while the timed steps run
+
+
 class PssSampler:
     """PSS of a changing set of processes, read together every `interval_s`; keeps the
     peak of their sum and each process's peak (bytes)."""
@@ -248,6 +253,12 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
             started += workers
             _barrier(workers, run_dir, n)
             before = _executor_stats(url) if url else None
+            # Reading smaps_rollup walks a process's page tables (~20 ms for the 450M
+            # executor) under its mmap lock, stalling its mmap/munmap meanwhile; every
+            # 0.2 s that took ~10% of a core the split needs at N=1 (vanilla's N=1 leaves
+            # one idle). The peak is reached by then (load, optimizer state, a whole warm-up
+            # step of the same shapes), so the measured steps are sampled sparsely.
+            sampler.interval_s = MEASURED_PSS_INTERVAL_S
             (run_dir / "go").write_text("go")
             for job in workers:
                 jobs.check(jobs.reap(job))
