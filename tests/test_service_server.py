@@ -63,7 +63,8 @@ def serve_in_thread(path, tmp_path, **options):
 
 
 def remote(url, **options):
-    return symbiont.connect(url, spin_us=0, timeout_s=10, connect_timeout_s=5, **options)
+    options = {"spin_us": 0, "timeout_s": 10, "connect_timeout_s": 5, **options}
+    return symbiont.connect(url, **options)
 
 
 @pytest.fixture(scope="module")
@@ -557,3 +558,43 @@ def test_a_client_left_open_prints_nothing_at_interpreter_exit(checkpoints, tmp_
     assert "left open on purpose" in done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_client_answered_by_the_loop_alone_is_answered_by_workers_beside_another(
+    checkpoints, tmp_path
+):
+    """Alone, a client's calls are computed by the loop; beside a second client, by the
+    workers, which write each answer into shared memory and wake the client's futex
+    themselves. Both clients sleep (spin off) and wake the loop through its doorbell pipe.
+    A worker once failed writing into output views the loop had made under inference
+    mode, and that call was never answered."""
+    with serve_in_thread(checkpoints("llama"), tmp_path, workers=2) as server:
+        base = server.executor
+        specs = base.manifest.layers
+        errors = []
+
+        def passes(executor, seed):
+            generator = torch.Generator().manual_seed(seed)
+            for spec in specs:
+                x = torch.randn(5, spec.in_features, generator=generator)
+                g = torch.randn(5, spec.out_features, generator=generator)
+                if not torch.equal(executor.forward(spec.id, x), base.forward(spec.id, x)):
+                    errors.append((seed, "forward", spec.id))
+                if not torch.equal(executor.backward(spec.id, g), base.backward(spec.id, g)):
+                    errors.append((seed, "backward", spec.id))
+
+        options = dict(mode="shm", timeout_s=5, retries=0)
+        with remote(server.endpoints[1], **options) as first:
+            passes(first, 0)  # alone: answered inline by the loop
+            assert first._segment._doorbell is not None
+            with remote(server.endpoints[1], **options) as second:
+
+                def client(executor, seed):
+                    try:
+                        passes(executor, seed)
+                    except Exception as err:  # noqa: BLE001 - reported below
+                        errors.append((seed, repr(err)))
+
+                run_at_once(client, [(first, 1), (second, 2)])
+        assert not errors, f"wrong, missing or failed answers: {errors}"
+        assert server._in_flight == 0

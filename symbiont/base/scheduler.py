@@ -68,6 +68,7 @@ class Call:
     weights: torch.Tensor | None = None
     grad_y: torch.Tensor | None = None
     frames: list = field(default_factory=list)  # keeps received buffers alive
+    answered: bool = False  # a worker already wrote its answer into shared memory
 
     @property
     def tokens(self) -> int:

@@ -116,11 +116,17 @@ class ExecutorServer:
                 initializer=torch.set_num_threads,
                 initargs=(torch.get_num_threads(),),
             )
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            self._poller = zmq.Poller()
-            self._poller.register(self._sock, zmq.POLLIN)
-            self._poller.register(self._wake_r, zmq.POLLIN)
+        # The loop sleeps on the socket and on this pipe: a worker that finished writes a
+        # byte into it, and so does a shared-memory client that posted a call (opening it
+        # as /proc/<pid>/fd/<write end>: one kernel wake-up instead of a RING through
+        # ZeroMQ's I/O threads). A byte only wakes the loop; what it does is read from
+        # shared memory and the queues, so a stray byte costs one loop turn.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -158,10 +164,10 @@ class ExecutorServer:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
         for session in list(self.sessions.values()):
             self._forget(session)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._sock.close(linger=0)
         self._ctx.term()
         for url in self.endpoints:
@@ -207,15 +213,16 @@ class ExecutorServer:
             if self._poll_shm():
                 self._wake(sessions)
                 return
-        if self._pool is None:
-            self._sock.poll(timeout_ms)
-        elif self._done.empty():  # else a worker has finished: no sleep
-            self._poller.poll(timeout_ms)  # a message, or a worker's byte in the pipe
+        if self._done.empty():  # else a worker has finished: no sleep
+            self._poller.poll(timeout_ms)  # a message, or a byte in the pipe
         self._wake(sessions)
 
     def _wake(self, sessions: list[Session]) -> None:
         for s in sessions:
-            s.segment.ctrl[shm.SERVER_ASLEEP] = 0
+            if s.segment is not None:
+                s.segment.ctrl[shm.SERVER_ASLEEP] = 0
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)  # what woke us is read from the queues next turn
         self._last_busy = time.monotonic()
 
     def _shm_sessions(self) -> list[Session]:
@@ -385,6 +392,7 @@ class ExecutorServer:
             session.segment.close()
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
+        segment.ctrl[shm.DOORBELL] = self._wake_w
         self._fit_to_sessions()
         self._send(session.key, encode(Ok(call_id=attach.call_id, segment=segment.path)))
 
@@ -527,9 +535,8 @@ class ExecutorServer:
             validate_call(self.manifest, op, layer, (rows, None), dtype, extra, limit)
         except ProtocolError as err:
             self.stats.errors += 1
-            segment.ctrl[shm.STATUS] = int(err.code)
-            segment.ctrl[shm.RESP_SEQ] = seq
-            self._send_error(session.key, seq, err.code, str(err))
+            self._send_error(session.key, seq, err.code, str(err))  # before the client wakes
+            _publish(segment, seq, int(err.code))
             return
         in_w = self.widths[layer][op is Op.BACKWARD]
         x = segment.input(dtype, rows, in_w)  # [rows, in_w], no copy
@@ -572,14 +579,23 @@ class ExecutorServer:
             self._answer(calls, self._compute(calls), started, time.monotonic())
 
     def _compute_on_worker(self, calls: list[QueuedCall], started: float) -> None:
-        """A worker thread: compute, then hand the outputs to the loop (which answers)."""
+        """A worker thread: compute, answer the shared-memory calls itself (the client
+        wakes one hand-off sooner), then hand the batch to the loop, which answers the
+        rest and counts it. Whatever fails, the loop hears of the batch."""
+        rings = []
         try:
-            with torch.inference_mode():
+            with torch.inference_mode():  # also for the writes: the views may be its tensors
                 answers = self._compute(calls)
+                for call in calls:
+                    answer = answers[id(call)]
+                    shared = call.via_shm and call.ids is None and type(answer) is list
+                    if shared and self._answer_shm(call, answer):
+                        rings.append(call)  # wants a RING: only the loop uses the socket
         except BaseException as err:  # noqa: BLE001 - the loop must hear of every batch
             answers = {id(c): (calls[0].layer, err) for c in calls}
-        self._done.put((calls, answers, started, time.monotonic()))
-        os.write(self._wake_w, b"x")
+        self._done.put((calls, answers, started, time.monotonic(), rings))
+        with contextlib.suppress(BlockingIOError):  # full: the loop wakes anyway
+            os.write(self._wake_w, b"x")
 
     def _answer_finished(self) -> int:
         """Answer the batches workers have finished; returns how many."""
@@ -588,9 +604,6 @@ class ExecutorServer:
             self._in_flight -= 1
             self._answer(*self._done.get_nowait())
             finished += 1
-        if finished:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
         return finished
 
     def _compute(self, calls: list[QueuedCall]) -> dict:
@@ -618,12 +631,18 @@ class ExecutorServer:
                 else:
                     answers[id(call)].append(y)
 
-    def _answer(self, calls: list[QueuedCall], answers: dict, started: float, ended: float):
+    def _answer(
+        self, calls: list[QueuedCall], answers: dict, started: float, ended: float, rings=()
+    ):
         """Reply to each call of a computed batch (or fail it), then count the batch."""
+        for call in rings:
+            self._send(call.session.key, encode(Ring(seq=call.call_id)))
         tokens = 0
         for call in calls:
             answer = answers[id(call)]
-            if type(answer) is tuple:
+            if call.answered:
+                tokens += call.tokens
+            elif type(answer) is tuple:
                 layer, err = answer
                 self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
             elif call.session.waiting:  # not gone on the way
@@ -696,14 +715,36 @@ class ExecutorServer:
             header = encode(Result(call_id=call.call_id, rows=rows, cols=cols))
             self._sock.send_multipart([session.key, header, data], copy=False)
             return
-        segment = session.segment
+        if self._write_shm(session.segment, call, ys):
+            self._send(session.key, encode(Ring(seq=call.call_id)))
+
+    def _answer_shm(self, call: QueuedCall, ys: list[torch.Tensor]) -> bool:
+        """`_reply` for a shared-memory call, from a worker thread (touches no socket);
+        returns whether the client wants a RING."""
+        session = call.session
+        session.waiting = False
+        session.last_reply = time.monotonic()
+        session.calls += 1
+        session.tokens += call.tokens
+        try:
+            ring = self._write_shm(session.segment, call, ys)
+        except (TypeError, ValueError):  # the loop closed the segment meanwhile: client gone
+            ring = False
+        call.answered = True
+        return ring
+
+    @staticmethod
+    def _write_shm(segment, call: QueuedCall, ys: list[torch.Tensor]) -> bool:
+        """Write each output [rows, out_l] back to back into the output area and publish
+        the answer; returns whether the client wants a RING."""
         if segment is None:
-            return  # the client left while its call ran
-        offset = 0
+            return False  # the client left while its call ran
+        rows, offset = call.tokens, 0
         for y in ys:
             segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
             offset += y.numel()
-        self._answered_shm(session, segment, call, rows)
+        segment.ctrl[shm.OUT_ROWS] = rows
+        return _publish(segment, call.call_id)
 
     def _reply_experts(self, call: QueuedCall, ys: list[torch.Tensor]) -> None:
         """Answer an experts call with its outputs packed as `reply_layout` says."""
@@ -716,27 +757,20 @@ class ExecutorServer:
             header = encode(Result(call_id=call.call_id, rows=rows, cols=width))
             self._sock.send_multipart([session.key, header, data], copy=False)
             return
-        if session.segment is not None:  # else the client left while its call ran
-            layout.write(session.segment.output_area(), tensors)
-            self._answered_shm(session, session.segment, call, rows)
-
-    def _answered_shm(self, session: Session, segment, call: QueuedCall, rows: int) -> None:
-        """Publish a shared-memory answer written into the output area."""
-        ctrl = segment.ctrl
-        ctrl[shm.OUT_ROWS] = rows
-        ctrl[shm.STATUS] = 0
-        ctrl[shm.RESP_SEQ] = call.call_id
-        if ctrl[shm.CLIENT_ASLEEP] or not shm.SPIN_SAFE:
-            self._send(session.key, encode(Ring(seq=call.call_id)))
+        segment = session.segment
+        if segment is not None:  # else the client left while its call ran
+            layout.write(segment.output_area(), tensors)
+            segment.ctrl[shm.OUT_ROWS] = rows
+            if _publish(segment, call.call_id):
+                self._send(session.key, encode(Ring(seq=call.call_id)))
 
     def _fail(self, call: QueuedCall, code: Code, message: str) -> None:
         session = call.session
         session.waiting = False
         session.last_reply = time.monotonic()
+        self._send_error(session.key, call.call_id, code, message)  # before the client wakes
         if call.via_shm and session.segment is not None:
-            session.segment.ctrl[shm.STATUS] = int(code)
-            session.segment.ctrl[shm.RESP_SEQ] = call.call_id
-        self._send_error(session.key, call.call_id, code, message)
+            _publish(session.segment, call.call_id, int(code))
 
     # -- helpers ------------------------------------------------------------------
 
@@ -778,6 +812,20 @@ class ExecutorServer:
         self._spin_ok = self._spin_s > 0 and len(self.sessions) + busy <= self._cores
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+
+
+def _publish(segment, seq: int, status: int = 0) -> bool:
+    """Publish the answer to shared-memory call `seq` (its outputs, if any, are written)
+    and wake the client if it sleeps on its futex; returns whether it wants a RING
+    through the socket instead (the caller sends it: only the loop uses the socket)."""
+    ctrl = segment.ctrl
+    ctrl[shm.STATUS] = status
+    ctrl[shm.RESP_SEQ] = seq
+    asleep = ctrl[shm.CLIENT_ASLEEP]
+    if asleep == shm.FUTEX:
+        segment.wake(shm.RESP_SEQ)
+        return False
+    return bool(asleep) or not shm.SPIN_SAFE
 
 
 def _pass_positions(manifest) -> list[int]:

@@ -330,6 +330,7 @@ class RemoteExecutor(Executor):
             return
         if self._segment is not None:
             self._segment.close()
+        segment.open_doorbell()
         self._segment = segment
         self._seq = segment.ctrl[shm.RESP_SEQ]
 
@@ -395,7 +396,7 @@ class RemoteExecutor(Executor):
         ctrl[shm.FUSED] = 0
         ctrl[shm.TOP_K] = call.top_k
         ctrl[shm.WEIGHTS_DTYPE] = shm.WIRE_DTYPES.index(tensors["weights"].dtype)
-        self._post_shm(ctrl)
+        self._post_shm(segment)
         views = reply.views(segment.output_area())
         return tuple(views[name].clone() for name in REPLY_NAMES[call.op])
 
@@ -449,36 +450,40 @@ class RemoteExecutor(Executor):
         ctrl[shm.FUSED] = len(extra)
         for i, other in enumerate(extra):
             ctrl[shm.EXTRA + i] = other
-        self._post_shm(ctrl)
+        self._post_shm(segment)
         outputs, offset = [], 0
         for width in out_ws:
             outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
             offset += rows * width
         return outputs
 
-    def _post_shm(self, ctrl) -> None:
+    def _post_shm(self, segment: shm.Segment) -> None:
         """Post the call written in the segment and wait for its answer (raises its ERROR)."""
+        ctrl = segment.ctrl
         self._seq += 1
         seq = self._seq
         ctrl[shm.REQ_SEQ] = seq
-        if ctrl[shm.SERVER_ASLEEP] or not shm.SPIN_SAFE:
+        if (ctrl[shm.SERVER_ASLEEP] or not shm.SPIN_SAFE) and not segment.ring():
             self._sock.send(encode(Ring(seq=seq)))
-        error = self._wait_shm(ctrl, seq)
+        error = self._wait_shm(segment, seq)
         if ctrl[shm.STATUS]:
             if error:
                 self._raise(error)
             self._await(seq, self.config.timeout_s)  # raises with the executor's message
 
-    def _wait_shm(self, ctrl, seq: int) -> Error | None:
-        """Spin on the answer's sequence number, then sleep on the socket for a RING.
+    def _wait_shm(self, segment: shm.Segment, seq: int) -> Error | None:
+        """Spin on the answer's sequence number, then sleep until the executor wakes us.
         Returns the executor's ERROR if one arrived for this call."""
+        ctrl = segment.ctrl
         spin_until = time.perf_counter() + (self._spin_s if ctrl[shm.SPIN_OK] else 0.0)
         while ctrl[shm.RESP_SEQ] != seq:
             if time.perf_counter() > spin_until:
                 break
         else:
             return None
-        ctrl[shm.CLIENT_ASLEEP] = 1
+        if shm.FUTEX_SAFE:
+            return self._sleep_on_futex(segment, seq)
+        ctrl[shm.CLIENT_ASLEEP] = shm.RING
         deadline = time.monotonic() + self.config.timeout_s
         error = None
         try:
@@ -491,6 +496,32 @@ class RemoteExecutor(Executor):
         finally:
             ctrl[shm.CLIENT_ASLEEP] = 0
         return error
+
+    def _sleep_on_futex(self, segment: shm.Segment, seq: int) -> None:
+        """Sleep on RESP_SEQ's futex, which the executor wakes when it answers; every
+        20 ms, also see whether the connection dropped or the call timed out. An ERROR
+        stays queued on the socket for `_post_shm` to read."""
+        ctrl = segment.ctrl
+        ctrl[shm.CLIENT_ASLEEP] = shm.FUTEX
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            while (seen := ctrl[shm.RESP_SEQ]) != seq:
+                segment.sleep_on(shm.RESP_SEQ, seen, 0.02)
+                if ctrl[shm.RESP_SEQ] == seq:
+                    break
+                if ctrl[shm.CLOSED]:
+                    raise _Lost("session expired")
+                if self._monitor.poll(0) and self._dropped():
+                    raise _Lost(DROPPED)
+                if time.monotonic() > deadline:
+                    raise _Lost(TIMED_OUT)
+        finally:
+            ctrl[shm.CLIENT_ASLEEP] = 0
+        return None
+
+    def _dropped(self) -> bool:
+        """Whether the monitor socket reports that the connection dropped."""
+        return recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
 
     # -- messages ----------------------------------------------------------------
 
@@ -525,10 +556,8 @@ class RemoteExecutor(Executor):
         """The next message's header (or [header, *frames] if `whole`) within `timeout_s`,
         or None; raises _Lost at once when the connection to the executor drops."""
         events = dict(self._poller.poll(max(0, int(timeout_s * 1e3)) + 1))
-        if self._monitor in events:
-            event = recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                raise _Lost(DROPPED)
+        if self._monitor in events and self._dropped():
+            raise _Lost(DROPPED)
         if self._sock not in events:
             return None
         message = self._sock.recv_multipart()
