@@ -138,6 +138,10 @@ def test_concurrent_clients_batch_and_each_gets_its_own_rows(checkpoints, tmp_pa
     with serve_in_thread(checkpoints("llama"), tmp_path, policy=policy) as server:
         base = server.executor
         errors = []
+        # Each layer's four calls set off together: whether they meet must not depend on
+        # how the threads happen to be scheduled (under a loaded test run they drifted
+        # apart, and 1.2 calls per batch failed now and then).
+        together = threading.Barrier(4)
 
         def client(seed, rows, mode):
             generator = torch.Generator().manual_seed(seed)
@@ -145,6 +149,7 @@ def test_concurrent_clients_batch_and_each_gets_its_own_rows(checkpoints, tmp_pa
                 for layer in range(len(base.manifest.layers)):
                     width = base.manifest.layers[layer].in_features
                     x = torch.randn(rows, width, generator=generator)
+                    together.wait(30)
                     y = executor.forward(layer, x)
                     # Batched GEMMs may differ from a lone one in the last bits.
                     if not torch.allclose(y, base.forward(layer, x), atol=1e-5, rtol=1e-5):
@@ -153,7 +158,7 @@ def test_concurrent_clients_batch_and_each_gets_its_own_rows(checkpoints, tmp_pa
         run_at_once(client, [(1, 1, "zmq"), (2, 7, "zmq"), (3, 133, "shm"), (4, 3, "shm")])
         assert not errors, f"rows of another client or wrong results: {errors}"
         total = server.stats.snapshot([], {})["total"]
-        assert total["mean_batch_calls"] > 1.2, "concurrent calls of one layer were not batched"
+        assert total["mean_batch_calls"] > 1.5, "concurrent calls of one layer were not batched"
 
 
 def test_handshake_refuses_another_checkpoint_and_protocol(served, checkpoints):

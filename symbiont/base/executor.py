@@ -22,20 +22,48 @@ from symbiont.model.layers import (
     find_base_layers,
     spec_of,
 )
-from symbiont.model.moe import (
-    experts_backward,
-    experts_forward,
-    experts_spec,
-    find_experts,
-    load_experts,
-)
-from symbiont.model.skeleton import build_skeleton, checkpoint_key, resolve_dtype
 from symbiont.protocol.executor import Executor, Manifest, Op, check_call, validate_fused
 from symbiont.protocol.experts import check_experts_call
 
 # A row-slice view may start a block only where an unsliced weight could: at 64 bytes, so
 # GEMM kernels see the same alignment (and give the same bits) as on a weight of its own.
 _BLOCK_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a dense base's executor reads from its checkpoint: each layer's keys, and which
+    layers share a block. Making it needs transformers (the model's skeleton and its key
+    conversion mapping); carrying it out needs only the safetensors files, so `serve-base`
+    makes it in a child process and its own process never imports transformers' models
+    (about 90 MB of memory per executor; `symbiont.base.plan`)."""
+
+    manifest: Manifest
+    groups: tuple[tuple[int, ...], ...]  # layer ids stored back to back in one block
+    keys: tuple[tuple[str, str | None], ...]  # per layer id: (weight key, bias key or None)
+    experts: bool = False  # MoE experts stacks: they run the model's own modules
+
+    def to_dict(self) -> dict:
+        return {
+            "manifest": self.manifest.to_dict(),
+            "groups": [list(g) for g in self.groups],
+            "keys": [list(k) for k in self.keys],
+            "experts": self.experts,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoadPlan:
+        return cls(
+            Manifest.from_dict(data["manifest"]),
+            tuple(tuple(g) for g in data["groups"]),
+            tuple((w, b) for w, b in data["keys"]),
+            bool(data["experts"]),
+        )
+
+    @classmethod
+    def make(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> LoadPlan:
+        """The plan for the checkpoint folder `path` (imports transformers)."""
+        return _plan(Checkpoint.open(path), dtype)[0]
 
 
 @dataclass(frozen=True)
@@ -111,25 +139,39 @@ class BaseExecutor(Executor):
         dtype: torch.dtype | str | None = None,
     ) -> BaseExecutor:
         """Load only the frozen linear weights (lm_head included) of a local checkpoint."""
+        from symbiont.model.moe import load_experts
+
         checkpoint = Checkpoint.open(path)
-        dtype = resolve_dtype(checkpoint, dtype)
+        plan, skeleton, experts = _plan(checkpoint, dtype)
         device = torch.device(device)
-        skeleton = build_skeleton(checkpoint.config, dtype)
-        specs = [spec_of(i, name, m) for i, (name, m) in enumerate(find_base_layers(skeleton))]
-        blocks = [_alloc_block(group, dtype, device) for group in sibling_groups(specs, dtype)]
+        stacks = [load_experts(checkpoint, skeleton, name, device) for name, _, _ in experts]
+        return cls._carry_out(checkpoint, plan, device, stacks)
+
+    @classmethod
+    def from_plan(
+        cls, path: str | os.PathLike, plan: LoadPlan, *, device: str | torch.device = "cpu"
+    ) -> BaseExecutor:
+        """Load a dense base as `plan` (made by `LoadPlan.make` for this folder) says,
+        without importing transformers' models."""
+        if plan.experts:
+            raise ValueError("a base with experts stacks loads with from_pretrained")
+        checkpoint = Checkpoint.open(path)
+        if checkpoint.fingerprint != plan.manifest.fingerprint:
+            raise ValueError(f"the plan was made for another checkpoint than {path}")
+        return cls._carry_out(checkpoint, plan, torch.device(device), [])
+
+    @classmethod
+    def _carry_out(cls, checkpoint, plan: LoadPlan, device, stacks) -> BaseExecutor:
+        manifest = plan.manifest
+        specs, dtype = manifest.layers, manifest.dtype
+        blocks = [_alloc_block([specs[i] for i in g], dtype, device) for g in plan.groups]
         block_of = {layer: b for b in blocks for layer in b.layers}
         weights = [
-            _read_weights(checkpoint, skeleton, spec, dtype, device, block_of.get(spec.id))
+            _read_weights(
+                checkpoint, plan.keys[spec.id], spec, dtype, device, block_of.get(spec.id)
+            )
             for spec in specs
         ]
-        experts = find_experts(skeleton)
-        stacks = [load_experts(checkpoint, skeleton, name, device) for name, _, _ in experts]
-        manifest = Manifest(
-            checkpoint.fingerprint,
-            dtype,
-            tuple(specs),
-            experts=tuple(experts_spec(i, *found) for i, found in enumerate(experts)),
-        )
         return cls(manifest, weights, device, stacks, blocks)
 
     @property
@@ -208,6 +250,8 @@ class BaseExecutor(Executor):
         if hidden.shape[0] == 0:  # nothing routed: the experts' kernels need a token
             empty = (hidden, weights) if op is Op.EXPERTS_BACKWARD else (hidden,)
             return tuple(torch.zeros_like(t) for t in empty)
+        from symbiont.model.moe import experts_backward, experts_forward
+
         if op is Op.EXPERTS_FORWARD:
             return (experts_forward(module, hidden, ids, weights),)
         return experts_backward(module, hidden, ids, weights, grad_y)
@@ -258,11 +302,36 @@ def _alloc_block(group: list[LayerSpec], dtype: torch.dtype, device: torch.devic
     return _Block(tuple(s.id for s in group), tuple(rows), weight, bias)
 
 
-def _read_weights(checkpoint, skeleton, spec: LayerSpec, dtype, device, block) -> _Weights:
-    """A layer's weights from the checkpoint: its own tensors, or its rows of `block`."""
+def _plan(checkpoint: Checkpoint, dtype) -> tuple[LoadPlan, object, list]:
+    """(plan, the model's skeleton, its experts stacks as `find_experts` lists them)."""
+    from symbiont.model.moe import experts_spec, find_experts
+    from symbiont.model.skeleton import build_skeleton, checkpoint_key, resolve_dtype
+
+    dtype = resolve_dtype(checkpoint, dtype)
+    skeleton = build_skeleton(checkpoint.config, dtype)
+    specs = [spec_of(i, name, m) for i, (name, m) in enumerate(find_base_layers(skeleton))]
+
+    def key(spec: LayerSpec, suffix: str) -> str:
+        return checkpoint_key(skeleton, checkpoint, f"{spec.name}.{suffix}")
+
+    keys = [(key(s, "weight"), key(s, "bias") if s.has_bias else None) for s in specs]
+    experts = find_experts(skeleton)
+    manifest = Manifest(
+        checkpoint.fingerprint,
+        dtype,
+        tuple(specs),
+        experts=tuple(experts_spec(i, *found) for i, found in enumerate(experts)),
+    )
+    groups = tuple(tuple(s.id for s in g) for g in sibling_groups(specs, dtype))
+    return LoadPlan(manifest, groups, tuple(keys), bool(experts)), skeleton, experts
+
+
+def _read_weights(checkpoint, keys, spec: LayerSpec, dtype, device, block) -> _Weights:
+    """A layer's weights from the checkpoint: its own tensors, or its rows of `block`.
+    keys: (weight key, bias key or None)."""
 
     def read(suffix: str) -> torch.Tensor:
-        key = checkpoint_key(skeleton, checkpoint, f"{spec.name}.{suffix}")
+        key = keys[0] if suffix == "weight" else keys[1]
         return checkpoint.read(key, dtype=dtype, device=device)
 
     if block is None:

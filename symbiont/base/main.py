@@ -25,14 +25,14 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     """Serve the base checkpoint in folder `model` as `process` and `config` say."""
     import torch
 
-    from symbiont.base.executor import BaseExecutor
+    from symbiont.base.plan import load
     from symbiont.base.server import ExecutorServer
 
     if process.cpus:
         _pin(process.cpus)
     if process.num_threads:
         torch.set_num_threads(process.num_threads)
-    executor = BaseExecutor.from_pretrained(model, device=process.device, dtype=process.dtype)
+    executor = load(model, device=process.device, dtype=process.dtype)
     server = ExecutorServer(executor, config)
     endpoints = server.bind()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -15,10 +15,13 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,6 +57,8 @@ class Checkpoint:
 
     @cached_property
     def config(self) -> PretrainedConfig:
+        from transformers import AutoConfig  # not at import: serve-base's process needs none
+
         try:
             return AutoConfig.from_pretrained(self.path, local_files_only=True)
         except (ValueError, OSError, json.JSONDecodeError) as err:

@@ -21,7 +21,6 @@ from torch import nn
 
 from symbiont.model.checkpoint import CheckpointError
 from symbiont.model.layers import is_base_layer
-from symbiont.model.skeleton import owner_of, read_tensor, set_tensor
 
 EXPERTS_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -82,6 +81,10 @@ def experts_spec(experts_id: int, name: str, module: nn.Module, after: int) -> E
 def load_experts(checkpoint, skeleton: nn.Module, name: str, device) -> nn.Module:
     """The skeleton's experts module `name` with its weights read from the checkpoint
     (through transformers' conversions: per-expert tensors stacked) and frozen."""
+    # Here, not at import: the protocol imports this module, and serve-base's process
+    # must not pay for transformers' model machinery (symbiont.base.plan).
+    from symbiont.model.skeleton import owner_of, read_tensor, set_tensor
+
     module = skeleton.get_submodule(name)
     for leaf, param in list(module.named_parameters()):
         value = read_tensor(skeleton, checkpoint, f"{name}.{leaf}", device=device)
