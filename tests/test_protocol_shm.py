@@ -1,4 +1,4 @@
-"""Shared-memory segments: the executor's doorbell pipe and the futex on the control block.
+"""Shared-memory segments: the pipes that wake the executor and the client.
 
 A client and the executor each map the segment; these tests map it twice in one process
 (two mappings of one memory file, as across processes) and wake one side from the other.
@@ -33,7 +33,7 @@ def test_ring_writes_into_the_pipe_the_executor_names(pair):
     read_end, write_end = os.pipe()
     try:
         owner.ctrl[shm.DOORBELL] = write_end
-        client.open_doorbell()
+        client.open_pipes()
         assert client.ring() is True
         assert os.read(read_end, 16) == b"x"
     finally:
@@ -41,25 +41,28 @@ def test_ring_writes_into_the_pipe_the_executor_names(pair):
         os.close(write_end)
 
 
-def test_a_doorbell_that_is_no_pipe_is_not_opened(pair):
+def test_pipes_that_are_no_pipes_or_absent_are_not_opened(pair):
     owner, client = pair
     with tempfile.TemporaryFile() as file:
         owner.ctrl[shm.DOORBELL] = file.fileno()
-        client.open_doorbell()
+        owner.ctrl[shm.CLIENT_BELL] = file.fileno()
+        client.open_pipes()
         assert client.ring() is False, "a regular file is not an executor's doorbell"
-    owner.ctrl[shm.DOORBELL] = 0
-    client.open_doorbell()
+        assert client.sleep(0) is False, "nor a bell"
+    owner.ctrl[shm.DOORBELL] = owner.ctrl[shm.CLIENT_BELL] = 0
+    client.open_pipes()
     assert client.ring() is False, "no doorbell offered: the client sends a RING instead"
+    assert client.sleep(0) is False
 
 
-@pytest.mark.skipif(not shm.FUTEX_SAFE, reason="futexes on the control block: x86-64 only")
-def test_a_sleeper_on_the_futex_is_woken_through_the_other_mapping(pair):
+def test_a_client_sleeping_on_its_bell_is_woken_by_the_executor(pair):
     owner, client = pair
+    client.open_pipes()  # the bell the executor made with the segment
     woke = threading.Event()
 
     def sleeper():
         while client.ctrl[shm.RESP_SEQ] != 7:
-            client.sleep_on(shm.RESP_SEQ, client.ctrl[shm.RESP_SEQ], 30.0)
+            assert client.sleep(30.0)
         woke.set()
 
     thread = threading.Thread(target=sleeper, daemon=True)
@@ -67,18 +70,21 @@ def test_a_sleeper_on_the_futex_is_woken_through_the_other_mapping(pair):
     time.sleep(0.2)  # let it fall asleep (if it has not, it sees the new value at once)
     assert not woke.is_set()
     owner.ctrl[shm.RESP_SEQ] = 7
-    owner.wake(shm.RESP_SEQ)
+    assert owner.wake_client()
     # Woken, not timed out: the sleep above would last 30 s.
-    assert woke.wait(10), "the futex wake did not reach the other mapping"
+    assert woke.wait(10), "the bell did not wake the client"
+    thread.join(10)
 
 
-@pytest.mark.skipif(not shm.FUTEX_SAFE, reason="futexes on the control block: x86-64 only")
-def test_sleep_on_a_value_that_already_changed_returns_at_once(pair):
+def test_bytes_left_in_the_bell_are_read_and_a_closed_segment_has_none(pair):
     owner, client = pair
-    owner.ctrl[shm.RESP_SEQ] = (1 << 32) + 5  # the kernel compares the low 32 bits
+    client.open_pipes()
+    for _ in range(3):
+        owner.wake_client()  # rings nobody heard: one sleep reads them all
+    assert client.sleep(30.0)
     started = time.monotonic()
-    client.sleep_on(shm.RESP_SEQ, 4, 30.0)
+    assert client.sleep(0.05)  # empty now: waits its timeout, and no longer
     assert time.monotonic() - started < 10
     client.close()
-    client.sleep_on(shm.RESP_SEQ, 5, 30.0)  # closed: returns, never faults
-    client.wake(shm.RESP_SEQ)
+    assert client.sleep(30.0) is False
+    assert client.ring() is False

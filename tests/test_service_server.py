@@ -591,7 +591,7 @@ def test_a_client_answered_by_the_loop_alone_is_answered_by_workers_beside_anoth
         options = dict(mode="shm", timeout_s=5, retries=0)
         with remote(server.endpoints[1], **options) as first:
             passes(first, 0)  # alone: answered inline by the loop
-            assert first._segment._doorbell is not None
+            assert first._segment._doorbell is not None and first._segment._bell_r is not None
             with remote(server.endpoints[1], **options) as second:
 
                 def client(executor, seed):

@@ -816,14 +816,13 @@ class ExecutorServer:
 
 def _publish(segment, seq: int, status: int = 0) -> bool:
     """Publish the answer to shared-memory call `seq` (its outputs, if any, are written)
-    and wake the client if it sleeps on its futex; returns whether it wants a RING
+    and wake the client if it sleeps on its bell; returns whether it wants a RING
     through the socket instead (the caller sends it: only the loop uses the socket)."""
     ctrl = segment.ctrl
     ctrl[shm.STATUS] = status
     ctrl[shm.RESP_SEQ] = seq
     asleep = ctrl[shm.CLIENT_ASLEEP]
-    if asleep == shm.FUTEX:
-        segment.wake(shm.RESP_SEQ)
+    if asleep == shm.BELL and segment.wake_client():
         return False
     return bool(asleep) or not shm.SPIN_SAFE
 

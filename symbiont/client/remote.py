@@ -330,7 +330,7 @@ class RemoteExecutor(Executor):
             return
         if self._segment is not None:
             self._segment.close()
-        segment.open_doorbell()
+        segment.open_pipes()
         self._segment = segment
         self._seq = segment.ctrl[shm.RESP_SEQ]
 
@@ -481,8 +481,8 @@ class RemoteExecutor(Executor):
                 break
         else:
             return None
-        if shm.FUTEX_SAFE:
-            return self._sleep_on_futex(segment, seq)
+        if segment.sleep(0):  # there is a bell (and stale bytes in it are read)
+            return self._sleep_on_bell(segment, seq)
         ctrl[shm.CLIENT_ASLEEP] = shm.RING
         deadline = time.monotonic() + self.config.timeout_s
         error = None
@@ -497,16 +497,16 @@ class RemoteExecutor(Executor):
             ctrl[shm.CLIENT_ASLEEP] = 0
         return error
 
-    def _sleep_on_futex(self, segment: shm.Segment, seq: int) -> None:
-        """Sleep on RESP_SEQ's futex, which the executor wakes when it answers; every
-        20 ms, also see whether the connection dropped or the call timed out. An ERROR
-        stays queued on the socket for `_post_shm` to read."""
+    def _sleep_on_bell(self, segment: shm.Segment, seq: int) -> None:
+        """Sleep on our bell, which the executor rings when it answers; every 20 ms, also
+        see whether the connection dropped or the call timed out. An ERROR stays queued
+        on the socket for `_post_shm` to read."""
         ctrl = segment.ctrl
-        ctrl[shm.CLIENT_ASLEEP] = shm.FUTEX
+        ctrl[shm.CLIENT_ASLEEP] = shm.BELL
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            while (seen := ctrl[shm.RESP_SEQ]) != seq:
-                segment.sleep_on(shm.RESP_SEQ, seen, 0.02)
+            while ctrl[shm.RESP_SEQ] != seq:
+                segment.sleep(0.02)
                 if ctrl[shm.RESP_SEQ] == seq:
                     break
                 if ctrl[shm.CLOSED]:

@@ -10,9 +10,11 @@ Layout (offsets in bytes):
             SPIN_OK                             executor: "spinning pays: a core each"
             CLOSED                              executor: "session over: say HELLO again"
             DOORBELL                            executor: fd of its wake-up pipe (> 0)
+            CLIENT_BELL                         executor: fd of the pipe it wakes this
+                                                client through (> 0)
             CLIENT_ASLEEP                       client: "ring me, I am not spinning"
-                                                (RING: over the socket; FUTEX: wake
-                                                the futex on RESP_SEQ)
+                                                (RING: over the socket; BELL: through
+                                                CLIENT_BELL)
             TOP_K, WEIGHTS_DTYPE                client, experts ops only: ids per token,
                                                 index of the routing weights' dtype in DTYPES
     256   input area   x [rows, width_in]     (capacity bytes)
@@ -25,11 +27,14 @@ area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_
 runs the call, writes y and bumps RESP_SEQ. Only a side that is not spinning is woken.
 Spinning only pays when every spinner has a core: the executor clears SPIN_OK while its
 shared-memory clients outnumber the cores, and then both sides sleep between calls. A
-sleeping side is woken without ZeroMQ where the host allows: the client writes a byte
-into the executor's wake-up pipe (opened as `/proc/<executor pid>/fd/<DOORBELL>`, like the
-segment), and the executor wakes the client's futex on RESP_SEQ. Each is one kernel
-wake-up; a RING message through the socket costs four thread hand-offs (each side's
-ZeroMQ I/O thread), which on busy cores was most of a call's overhead (BENCHMARKS.md,
+sleeping side is woken by a byte through a pipe, both pipes the executor's: the client
+writes into the executor's wake-up pipe and reads its own bell, opening each as
+`/proc/<executor pid>/fd/<n>` (like the segment). A byte into a pipe is one kernel
+wake-up, and one that tells the scheduler the writer is about to wait (so the reader runs
+at once, often on the writer's core); a RING message through the socket costs four thread
+hand-offs (each side's ZeroMQ I/O thread), which on busy cores was most of a call's
+overhead; a futex wake took twice a pipe's time here (`benchmarks/wakeups.py`;
+BENCHMARKS.md,
 issue 17, session 9). RING stays the fallback. On x86-64 stores are seen in program order, so
 seeing a new sequence number implies seeing the data written before it; elsewhere the
 fast path is off and every call rings (the socket's system calls order memory).
@@ -45,11 +50,11 @@ any process's files). It has no name: nothing is left behind if either side is k
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
 import platform
+import select
 import stat
 
 import torch
@@ -58,9 +63,9 @@ from symbiont.protocol.executor import DTYPES, MAX_FUSED, Code, Op, ProtocolErro
 
 REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
 RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
-SERVER_ASLEEP, SPIN_OK, CLOSED, DOORBELL = 16, 17, 18, 19
+SERVER_ASLEEP, SPIN_OK, CLOSED, DOORBELL, CLIENT_BELL = 16, 17, 18, 19, 20
 CLIENT_ASLEEP = 24
-RING, FUTEX = 1, 2  # CLIENT_ASLEEP values: how the client wants to be woken
+RING, BELL = 1, 2  # CLIENT_ASLEEP values: how the client wants to be woken
 TOP_K, WEIGHTS_DTYPE = 25, 26  # experts ops (written by the client before REQ_SEQ)
 WIRE_DTYPES = tuple(DTYPES.values())  # WEIGHTS_DTYPE indexes this
 HEADER_BYTES = 256
@@ -68,26 +73,6 @@ MAX_CACHED_VIEWS = 256
 
 # Spinning on a sequence number is only safe where stores become visible in order.
 SPIN_SAFE = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
-
-# Futexes on the control block: a 32-bit word, the low half of an int64 slot (x86-64 is
-# little-endian); the syscall's number is the x86-64 one.
-FUTEX_SAFE = SPIN_SAFE and platform.machine().lower() in {"x86_64", "amd64"}
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
-_libc = None
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _futex(addr: int, op: int, value: int, timeout=None) -> int:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL
-    return _libc.syscall(
-        _SYS_FUTEX, ctypes.c_void_p(addr), op, ctypes.c_int(value), timeout, None, 0
-    )
-
 
 SEALS = (
     getattr(fcntl, "F_SEAL_SHRINK", 0)
@@ -110,11 +95,14 @@ class Segment:
             os.close(fd)
         self.ctrl = memoryview(self._map)[:HEADER_BYTES].cast("q")
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._base = raw.data_ptr()  # the control block's address, for futexes
         self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
         self._out = raw[HEADER_BYTES + capacity :]
         self._views: dict[tuple, torch.Tensor] = {}
         self._doorbell: int | None = None  # client side: the executor's wake-up pipe
+        # The pipe that wakes the client: the executor holds both ends (so it never opens
+        # anything a client names); the client opens the read end through /proc.
+        self._bell_r: int | None = None
+        self._bell_w: int | None = None
 
     @classmethod
     def create(cls, capacity: int) -> Segment:
@@ -126,10 +114,14 @@ class Segment:
         try:
             os.ftruncate(fd, HEADER_BYTES + 2 * capacity)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            return cls(f"/proc/{os.getpid()}/fd/{fd}", fd, capacity, keep_fd=True)
+            segment = cls(f"/proc/{os.getpid()}/fd/{fd}", fd, capacity, keep_fd=True)
         except BaseException:
             os.close(fd)
             raise
+        segment._bell_r, segment._bell_w = os.pipe()
+        os.set_blocking(segment._bell_w, False)
+        segment.ctrl[CLIENT_BELL] = segment._bell_r
+        return segment
 
     @classmethod
     def open(cls, path: str, capacity: int) -> Segment:
@@ -183,62 +175,73 @@ class Segment:
         self._views[key] = view
         return view
 
-    def open_doorbell(self) -> None:
-        """Client side: open the executor's wake-up pipe that DOORBELL names, where it
-        offers one (else `ring` returns False and the client sends a RING message)."""
-        fd = self.ctrl[DOORBELL]
+    def open_pipes(self) -> None:
+        """Client side: open the executor's wake-up pipe (DOORBELL) and the read end of
+        our bell (CLIENT_BELL), where it offers them; else `ring` and `sleep` return
+        False and the client uses RING messages."""
+        self._doorbell = self._open_pipe(DOORBELL, os.O_WRONLY)
+        self._bell_r = self._open_pipe(CLIENT_BELL, os.O_RDONLY)
+
+    def _open_pipe(self, slot: int, mode: int) -> int | None:
+        fd = self.ctrl[slot]
         if fd <= 0 or not self.path.startswith("/proc/"):
-            return
+            return None
         try:
-            bell = os.open(f"{os.path.dirname(self.path)}/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+            pipe = os.open(f"{os.path.dirname(self.path)}/{fd}", mode | os.O_NONBLOCK)
         except OSError:
-            return
-        if not stat.S_ISFIFO(os.fstat(bell).st_mode):  # not what an executor hands out
-            os.close(bell)
-            return
-        os.set_inheritable(bell, False)
-        self._doorbell = bell
+            return None
+        if not stat.S_ISFIFO(os.fstat(pipe).st_mode):  # not what an executor hands out
+            os.close(pipe)
+            return None
+        os.set_inheritable(pipe, False)
+        return pipe
 
     def ring(self) -> bool:
-        """Wake the executor through its pipe; False where there is none or it is gone."""
-        if self._doorbell is None:
+        """Client side: wake the executor through its pipe; False where there is none."""
+        return _write_byte(self._doorbell)
+
+    def wake_client(self) -> bool:
+        """Executor side: wake the client sleeping on its bell."""
+        return _write_byte(self._bell_w)
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Client side: wait until the executor rings our bell or `timeout_s` passes (then
+        read what it wrote); False at once where there is no bell."""
+        bell = self._bell_r
+        if bell is None:
             return False
-        try:
-            os.write(self._doorbell, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the executor has bytes to wake it already
-        except OSError:
-            return False  # its reading end is closed
+        if select.select((bell,), (), (), timeout_s)[0]:
+            with contextlib.suppress(BlockingIOError):
+                os.read(bell, 4096)
         return True
-
-    def sleep_on(self, slot: int, seen: int, timeout_s: float) -> None:
-        """Sleep until `slot` is woken (see `wake`), its value is no longer `seen`, or
-        `timeout_s` passes; returns at once where futexes are not available."""
-        if not FUTEX_SAFE or self._in is None:
-            return
-        low = ctypes.c_int32(seen & 0xFFFFFFFF).value  # the word the kernel compares
-        seconds = int(timeout_s)
-        timeout = _Timespec(seconds, int((timeout_s - seconds) * 1e9))
-        _futex(self._base + 8 * slot, _FUTEX_WAIT, low, ctypes.byref(timeout))
-
-    def wake(self, slot: int) -> None:
-        """Wake whoever sleeps on `slot` (in any process mapping this segment)."""
-        if FUTEX_SAFE and self._in is not None:
-            _futex(self._base + 8 * slot, _FUTEX_WAKE, 1)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if self._doorbell is not None:
-            os.close(self._doorbell)
-            self._doorbell = None
+        for name in ("_doorbell", "_bell_r", "_bell_w"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
         self.ctrl.release()
         self._in = self._out = None
         self._views.clear()
         # A caller may still hold a view; then the mapping goes when that view goes.
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def _write_byte(fd: int | None) -> bool:
+    if fd is None:
+        return False
+    try:
+        os.write(fd, b"x")
+    except BlockingIOError:
+        pass  # the pipe is full: the reader has bytes to wake it already
+    except OSError:
+        return False  # its reading end is closed
+    return True
 
 
 def read_call(ctrl) -> tuple[Op, int, int, tuple[int, ...]]:
