@@ -88,3 +88,32 @@ def test_bytes_left_in_the_bell_are_read_and_a_closed_segment_has_none(pair):
     client.close()
     assert client.sleep(30.0) is False
     assert client.ring() is False
+
+
+def test_a_bell_the_executor_closed_wakes_the_sleeper_with_false(pair):
+    owner, client = pair
+    client.open_pipes()
+    owner.close()  # the session freed, or the executor gone: its end of the bell closes
+    started = time.monotonic()
+    assert client.sleep(30.0) is False, "end of file on the bell: nobody will ring again"
+    assert time.monotonic() - started < 10
+    assert client.sleep(0) is False
+
+
+def test_serve_base_raises_its_open_files_limit_for_its_clients():
+    import resource
+    import subprocess
+    import sys
+
+    script = (
+        "import resource\n"
+        "from symbiont.base.main import _allow_files\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "_allow_files(300)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert int(done.stdout) == (300 if hard == resource.RLIM_INFINITY else min(300, hard))

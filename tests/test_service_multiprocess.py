@@ -260,16 +260,13 @@ def staller_job(path: str, url: str, ready, go_on, results) -> None:
                     ready.put(os.getpid())
             # within fp32 rounding, not bitwise: the transport fuses calls fed one tensor
             # (one matmul over sibling layers sums in another order than one layer's)
-            ok = all(
-                torch.allclose(
-                    executor.forward(s.id, x[:, : s.in_features]),
-                    base.forward(s.id, x[:, : s.in_features]),
-                    rtol=1e-5,
-                    atol=1e-6,
-                )
-                for s in layers
-            )
-        results.put({"name": "staller", "ok": ok})
+            wrong = []  # (layer, largest difference, largest value): says what went wrong
+            for s in layers:
+                got = executor.forward(s.id, x[:, : s.in_features])
+                want = base.forward(s.id, x[:, : s.in_features])
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                    wrong.append((s.name, float((got - want).abs().max()), float(want.abs().max())))
+        results.put({"name": "staller", "ok": not wrong, **({"wrong": wrong} if wrong else {})})
     except Exception as err:  # noqa: BLE001 - report any failure to the test process
         ready.put(None)
         results.put({"name": "staller", "ok": False, "error": repr(err)})

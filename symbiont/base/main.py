@@ -28,6 +28,7 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     from symbiont.base.plan import load
     from symbiont.base.server import ExecutorServer
 
+    _allow_files(4 * config.max_sessions + 256)
     if process.cpus:
         _pin(process.cpus)
     if process.num_threads:
@@ -62,6 +63,19 @@ def _write_ready(path: Path, endpoints: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"endpoints": endpoints, "pid": os.getpid()}))
     tmp.replace(path)  # atomically: a supervisor never reads half of it
+
+
+def _allow_files(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards `wanted`: each shared-memory
+    client holds three (its segment and two wake-up pipes) beside its connection, and a
+    common soft limit of 1024 would refuse clients well before --max-sessions."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _pin(cpus: set[int]) -> None:

@@ -506,11 +506,13 @@ class RemoteExecutor(Executor):
         deadline = time.monotonic() + self.config.timeout_s
         try:
             while ctrl[shm.RESP_SEQ] != seq:
-                segment.sleep(0.02)
+                rung = segment.sleep(0.02)
                 if ctrl[shm.RESP_SEQ] == seq:
                     break
                 if ctrl[shm.CLOSED]:
                     raise _Lost("session expired")
+                if not rung:  # the executor closed the bell: it is gone
+                    raise _Lost(DROPPED)
                 if self._monitor.poll(0) and self._dropped():
                     raise _Lost(DROPPED)
                 if time.monotonic() > deadline:

@@ -206,13 +206,19 @@ class Segment:
 
     def sleep(self, timeout_s: float) -> bool:
         """Client side: wait until the executor rings our bell or `timeout_s` passes (then
-        read what it wrote); False at once where there is no bell."""
+        read what it wrote); False at once where there is no bell, or no longer: the
+        executor closed its end (it freed the session, or it is gone)."""
         bell = self._bell_r
         if bell is None:
             return False
         if select.select((bell,), (), (), timeout_s)[0]:
-            with contextlib.suppress(BlockingIOError):
-                os.read(bell, 4096)
+            try:
+                if not os.read(bell, 4096):  # end of file: nobody will ring again
+                    os.close(bell)
+                    self._bell_r = None
+                    return False
+            except BlockingIOError:
+                pass
         return True
 
     def close(self) -> None:
