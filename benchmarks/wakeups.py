@@ -3,9 +3,10 @@ what a shared-memory call costs `serve-base` and a client when neither may spin.
 
 - `zmq`: a message each way over a ZeroMQ IPC socket (PAIR), what a RING doorbell was:
   each message passes the sender's and the receiver's ZeroMQ I/O threads.
-- `pipe`: a byte each way through a pipe (how a client now wakes the executor).
-- `futex`: a futex wake each way on a shared-memory segment's control block (how the
-  executor now wakes a client), via `symbiont.protocol.shm.Segment`.
+- `pipe`: a byte each way through a pipe (how a client now wakes the executor, and the
+  executor the client).
+- `futex`: a futex wake each way on a word of shared memory (the alternative measured
+  and not taken: no faster in the fine-tuning benchmark, and it needs ctypes and x86-64).
 
     python benchmarks/wakeups.py [--trips 4000] [--busy 0|1]
 
@@ -16,18 +17,39 @@ compute). Prints microseconds per round trip and each mechanism against `zmq`.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import multiprocessing as mp
 import os
+import platform
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
 
-from symbiont.protocol import shm  # noqa: E402
 
-SLOT_PING, SLOT_PONG = shm.REQ_SEQ, shm.RESP_SEQ
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futexes:
+    """Two 32-bit words (ping, pong) in shared memory, each a futex."""
+
+    def __init__(self, area: mmap.mmap):
+        self.words = (ctypes.c_int32 * 2).from_buffer(area)
+        self.base = ctypes.addressof(self.words)
+        self.libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
+        self.timeout = _Timespec(0, 50_000_000)
+
+    def wait(self, index: int, seen: int) -> None:
+        addr = ctypes.c_void_p(self.base + 4 * index)
+        args = (_FUTEX_WAIT, ctypes.c_int(seen), ctypes.byref(self.timeout), None, 0)
+        self.libc.syscall(_SYS_FUTEX_X86_64, addr, *args)
+
+    def wake(self, index: int) -> None:
+        addr = ctypes.c_void_p(self.base + 4 * index)
+        self.libc.syscall(_SYS_FUTEX_X86_64, addr, _FUTEX_WAKE, ctypes.c_int(1), None, None, 0)
 
 
 def _zmq_peer(url: str, trips: int) -> None:
@@ -80,32 +102,30 @@ def pipe_round_trip(trips: int) -> float:
     return seconds / trips
 
 
-def _futex_peer(path: str, trips: int) -> None:
-    segment = shm.Segment.open(path, 4096)
-    ctrl = segment.ctrl
+def _futex_peer(area: mmap.mmap, trips: int) -> None:
+    futex = _Futexes(area)
     for seq in range(1, trips + 1):
-        while (seen := ctrl[SLOT_PING]) != seq:
-            segment.sleep_on(SLOT_PING, seen, 0.05)
-        ctrl[SLOT_PONG] = seq
-        segment.wake(SLOT_PONG)
+        while (seen := futex.words[0]) != seq:
+            futex.wait(0, seen)
+        futex.words[1] = seq
+        futex.wake(1)
 
 
 def futex_round_trip(trips: int) -> float:
-    segment = shm.Segment.create(4096)
-    ctrl = segment.ctrl
-    peer = mp.Process(target=_futex_peer, args=(segment.path, trips + 1))
+    area = mmap.mmap(-1, 4096)  # shared with the forked peer
+    futex = _Futexes(area)
+    peer = mp.Process(target=_futex_peer, args=(area, trips + 1))
     peer.start()
     started = 0.0
     for seq in range(1, trips + 2):
         if seq == 2:
             started = time.perf_counter()
-        ctrl[SLOT_PING] = seq
-        segment.wake(SLOT_PING)
-        while (seen := ctrl[SLOT_PONG]) != seq:
-            segment.sleep_on(SLOT_PONG, seen, 0.05)
+        futex.words[0] = seq
+        futex.wake(0)
+        while (seen := futex.words[1]) != seq:
+            futex.wait(1, seen)
     seconds = time.perf_counter() - started
     peer.join()
-    segment.close()
     return seconds / trips
 
 
@@ -119,8 +139,8 @@ def main() -> int:
     parser.add_argument("--trips", type=int, default=4000, help="round trips per mechanism")
     parser.add_argument("--busy", type=int, default=0, help="processes spinning meanwhile")
     args = parser.parse_args()
-    if not (shm.AVAILABLE and shm.FUTEX_SAFE):
-        print("SKIP: futexes on shared memory need Linux on x86-64")
+    if sys.platform != "linux" or platform.machine().lower() not in {"x86_64", "amd64"}:
+        print("SKIP: the futex syscall number here is Linux x86-64's")
         return 0
     mp.set_start_method("fork")
     spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.busy)]
