@@ -30,14 +30,12 @@ shared-memory clients outnumber the cores, and then both sides sleep between cal
 sleeping side is woken by a byte through a pipe, both pipes the executor's: the client
 writes into the executor's wake-up pipe and reads its own bell, opening each as
 `/proc/<executor pid>/fd/<n>` (like the segment). A byte into a pipe is one kernel
-wake-up, and one that tells the scheduler the writer is about to wait (so the reader runs
-at once, often on the writer's core); a RING message through the socket costs four thread
-hand-offs (each side's ZeroMQ I/O thread), which on busy cores was most of a call's
-overhead; a futex wake took twice a pipe's time here (`benchmarks/wakeups.py`;
-BENCHMARKS.md,
-issue 17, session 9). RING stays the fallback. On x86-64 stores are seen in program order, so
-seeing a new sequence number implies seeing the data written before it; elsewhere the
-fast path is off and every call rings (the socket's system calls order memory).
+wake-up; a RING message through the socket costs four thread hand-offs (each side's
+ZeroMQ I/O thread), which on busy cores was most of a call's overhead
+(`benchmarks/wakeups.py`; BENCHMARKS.md, issue 17, session 9). RING stays the fallback.
+On x86-64 stores are seen in program order, so seeing a new sequence number implies
+seeing the data written before it; elsewhere the fast path is off and every call rings
+(a pipe's or the socket's system calls order memory).
 
 The executor creates and owns every segment it maps: an anonymous memory file (memfd)
 of the size the client asked for, sealed against shrinking and growing
