@@ -347,6 +347,23 @@ def test_calls_sharing_one_input_take_one_round_trip(served, mode):
 
 
 @pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_fused_outputs_come_back_in_the_order_the_client_listed_them(served, mode):
+    """A client may feed one tensor to layers in any order (a loop over the model that
+    wraps from its last layer to its first did): the executor computed the fused layers
+    in ascending id order and sent them back so, and the client handed v's output to k.
+    Here v, k, q take one x in that order, so q's call fuses k and q, descending."""
+    base = served.executor
+    q, k, v = (base.manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv")
+    with remote(served.endpoints[1], mode=mode) as executor:
+        x = torch.randn(3, 32)
+        for _ in range(3):
+            before = executor.stats()["total"]["calls"]
+            for layer in (v, k, q):
+                assert torch.equal(executor.forward(layer, x), base.forward(layer, x)), layer
+        assert executor.stats()["total"]["calls"] - before == 1, "k and q were not fused"
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
 def test_fused_calls_under_inference_mode_equal_the_in_process_executor(served, mode):
     """`symbiont serve --executor URL` runs its model under torch.inference_mode, whose
     tensors keep no version counter: fusion must not read it (it raised before)."""

@@ -619,8 +619,10 @@ class ExecutorServer:
     def _compute_group(self, op: Op, layer: int, calls: list[QueuedCall], answers: dict) -> None:
         """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
         outs = self._batched(op, layer, calls)
+        fused: dict[int, dict[int, torch.Tensor]] = {}  # id(call) -> fused layer -> y
         for call, y in zip(calls, outs, strict=True):
             answers[id(call)] = y if type(y) is tuple else [y]
+            fused[id(call)] = {}
         for other in sorted({e for c in calls for e in c.extra}):
             group = [c for c in calls if other in c.extra and type(answers[id(c)]) is list]
             if not group:
@@ -629,7 +631,13 @@ class ExecutorServer:
                 if type(y) is tuple:
                     answers[id(call)] = y
                 else:
-                    answers[id(call)].append(y)
+                    fused[id(call)][other] = y
+        # Each call's outputs go back in the order its client listed the fused layers,
+        # which need not be ascending (a call sequence may wrap from a model's last
+        # layer to its first on the same tensor).
+        for call in calls:
+            if call.extra and type(answers[id(call)]) is list:
+                answers[id(call)].extend(fused[id(call)][e] for e in call.extra)
 
     def _answer(
         self, calls: list[QueuedCall], answers: dict, started: float, ended: float, rings=()
