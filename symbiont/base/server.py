@@ -24,6 +24,7 @@ import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -588,11 +589,11 @@ class ExecutorServer:
                 answers = self._compute(calls)
                 for call in calls:
                     answer = answers[id(call)]
-                    shared = call.via_shm and call.ids is None and type(answer) is list
+                    shared = call.via_shm and call.ids is None and type(answer) is not Failed
                     if shared and self._answer_shm(call, answer):
                         rings.append(call)  # wants a RING: only the loop uses the socket
         except BaseException as err:  # noqa: BLE001 - the loop must hear of every batch
-            answers = {id(c): (calls[0].layer, err) for c in calls}
+            answers = {id(c): Failed(calls[0].layer, err) for c in calls}
         self._done.put((calls, answers, started, time.monotonic(), rings))
         with contextlib.suppress(BlockingIOError):  # full: the loop wakes anyway
             os.write(self._wake_w, b"x")
@@ -607,7 +608,7 @@ class ExecutorServer:
         return finished
 
     def _compute(self, calls: list[QueuedCall]) -> dict:
-        """id(call) -> its outputs [[n_i, out_l] per layer], or (layer, error) if failed.
+        """id(call) -> its outputs [[n_i, out_l] per layer], or `Failed`.
         Touches no session, socket or segment: runs on a worker thread too."""
         answers: dict = {}
         for op in (Op.FORWARD, Op.BACKWARD):
@@ -617,27 +618,15 @@ class ExecutorServer:
         return answers
 
     def _compute_group(self, op: Op, layer: int, calls: list[QueuedCall], answers: dict) -> None:
-        """One matmul over the concatenated tokens of `calls`, then one per fused layer."""
-        outs = self._batched(op, layer, calls)
-        fused: dict[int, dict[int, torch.Tensor]] = {}  # id(call) -> fused layer -> y
-        for call, y in zip(calls, outs, strict=True):
-            answers[id(call)] = y if type(y) is tuple else [y]
-            fused[id(call)] = {}
-        for other in sorted({e for c in calls for e in c.extra}):
-            group = [c for c in calls if other in c.extra and type(answers[id(c)]) is list]
-            if not group:
-                continue  # those calls failed; the others still get their answers
-            for call, y in zip(group, self._batched(op, other, group), strict=True):
-                if type(y) is tuple:
-                    answers[id(call)] = y
-                else:
-                    fused[id(call)][other] = y
-        # Each call's outputs go back in the order its client listed the fused layers,
-        # which need not be ascending (a call sequence may wrap from a model's last
-        # layer to its first on the same tensor).
+        """Calls that fuse the same layers run as one batch: one matmul over their
+        concatenated tokens for `layer` and its fused siblings together where the executor
+        stores them as one block (q/k/v, gate/up), else one per layer."""
+        by_fused: dict[tuple[int, ...], list[QueuedCall]] = {}
         for call in calls:
-            if call.extra and type(answers[id(call)]) is list:
-                answers[id(call)].extend(fused[id(call)][e] for e in call.extra)
+            by_fused.setdefault(call.extra, []).append(call)
+        for extra, group in by_fused.items():
+            for call, ys in zip(group, self._batched(op, (layer, *extra), group), strict=True):
+                answers[id(call)] = ys
 
     def _answer(
         self, calls: list[QueuedCall], answers: dict, started: float, ended: float, rings=()
@@ -650,28 +639,36 @@ class ExecutorServer:
             answer = answers[id(call)]
             if call.answered:
                 tokens += call.tokens
-            elif type(answer) is tuple:
-                layer, err = answer
-                self._fail(call, Code.INTERNAL, f"executor failed running layer {layer}: {err}")
+            elif type(answer) is Failed:
+                message = f"executor failed running layer {answer.layer}: {answer.error}"
+                self._fail(call, Code.INTERNAL, message)
             elif call.session.waiting:  # not gone on the way
                 self._reply(call, answer)
                 tokens += call.tokens
         waited = sum(started - c.arrived for c in calls)
         self.stats.record(calls[0].layer, len(calls), tokens, waited, started, ended)
 
-    def _batched(self, op: Op, layer: int, calls: list[QueuedCall]) -> list:
-        """y of each call [n_i, out] from one matmul over x of all [sum n_i, in]; where
-        it fails (e.g. out of memory), (layer, error) for each call instead."""
+    def _batched(self, op: Op, layers: tuple[int, ...], calls: list[QueuedCall]) -> list:
+        """Each call's outputs [[n_i, out_l] per layer of `layers`, in that order: the
+        order its client listed them] from one pass over x of all calls [sum n_i, in];
+        where it fails (e.g. out of memory), `Failed` for each call instead."""
         x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
         try:
-            if self._on_cpu:
-                y = self.executor.run(op, layer, x)
+            if not self._on_cpu:
+                x = x.to(self.executor.device)
+            if len(layers) > 1:  # forward only: one matmul where the layers are one run
+                ys = list(self.executor.run_fused(layers, x))
             else:
-                y = self.executor.run(op, layer, x.to(self.executor.device)).cpu()
+                ys = [self.executor.run(op, layers[0], x)]
+            if not self._on_cpu:
+                ys = [y.cpu() for y in ys]
         except (RuntimeError, ValueError) as err:  # fail these calls only
-            log.exception("layer %d %s failed", layer, op.name.lower())
-            return [(layer, err)] * len(calls)
-        return [y] if len(calls) == 1 else list(y.split([c.tokens for c in calls]))
+            log.exception("layer %d %s failed", layers[0], op.name.lower())
+            return [Failed(layers[0], err)] * len(calls)
+        if len(calls) == 1:
+            return [ys]
+        sizes = [c.tokens for c in calls]
+        return [list(parts) for parts in zip(*(y.split(sizes) for y in ys), strict=True)]
 
     def _run_experts(self, experts: int, calls: list[QueuedCall]) -> int:
         """Run an experts stack once per (direction, routing-weights dtype) over the tokens
@@ -820,6 +817,15 @@ class ExecutorServer:
         self._spin_ok = self._spin_s > 0 and len(self.sessions) + busy <= self._cores
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The answer of a call whose layer raised (e.g. out of memory): its client gets the
+    error, the other calls of the batch their outputs."""
+
+    layer: int
+    error: BaseException
 
 
 def _publish(segment, seq: int, status: int = 0) -> bool:
