@@ -379,6 +379,25 @@ def test_fused_calls_under_inference_mode_equal_the_in_process_executor(served, 
         assert torch.equal(executor.forward(k, x), base.forward(k, x)), "stale fused output"
 
 
+def test_one_connection_serves_calls_in_and_out_of_inference_mode(served):
+    """A client that evaluates under `torch.inference_mode()` and then trains (or the
+    reverse) on one shared-memory connection: a segment view first made under inference
+    mode was an inference tensor, and the next call outside it failed to write its input
+    ("Inplace update to inference tensor outside InferenceMode"). Also when the segment
+    grows under inference mode, and for fused outputs (views at an offset)."""
+    base = served.executor
+    q, k = (base.manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qk")
+    with remote(served.endpoints[1], mode="shm") as executor:
+        capacity = executor._segment.capacity
+        for rows in (3, 4, capacity // (4 * 32) + 1):  # the last one grows the segment
+            x = torch.randn(rows, 32)
+            for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad) * 2:
+                with mode():
+                    for layer in (q, k):  # fused once learned: k's output at an offset
+                        assert torch.equal(executor.forward(layer, x), base.forward(layer, x))
+        assert executor._segment.capacity > capacity, "the segment did not grow"
+
+
 def test_calls_sent_without_waiting_are_each_answered_never_dropped(served):
     """Five CALLs on one connection, none waiting for its answer: every one is answered,
     in order, with its result or with BUSY (one call at a time per connection)."""

@@ -92,7 +92,8 @@ class Segment:
         if not keep_fd:
             os.close(fd)
         self.ctrl = memoryview(self._map)[:HEADER_BYTES].cast("q")
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        with torch.inference_mode(False):  # see `_view`
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
         self._out = raw[HEADER_BYTES + capacity :]
         self._views: dict[tuple, torch.Tensor] = {}
@@ -154,8 +155,9 @@ class Segment:
         """View [rows, cols] of the output area starting `offset` elements in."""
         if offset == 0:
             return self.output(dtype, rows, cols)
-        start = offset * dtype.itemsize
-        return self._out[start : start + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        key = (2, dtype, rows, cols, offset)
+        view = self._views.get(key)
+        return view if view is not None else self._view(key, self._out)
 
     def input_area(self) -> torch.Tensor:
         """The whole input area as bytes (uint8 [capacity]): experts calls lay out several
@@ -166,10 +168,15 @@ class Segment:
         return self._out
 
     def _view(self, key: tuple, area: torch.Tensor) -> torch.Tensor:
-        _, dtype, rows, cols = key
+        _, dtype, rows, cols, *offset = key
+        start = offset[0] * dtype.itemsize if offset else 0
         if len(self._views) >= MAX_CACHED_VIEWS:
             self._views.clear()
-        view = area[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+        # Made outside inference mode whatever the caller's mode: a dtype view taken under
+        # `torch.inference_mode()` is an inference tensor, and a view cached by a call
+        # under it could not be written by a later call outside it (nor the reverse).
+        with torch.inference_mode(False):
+            view = area[start : start + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
         self._views[key] = view
         return view
 

@@ -1,0 +1,104 @@
+"""Random call sequences against the fusion of forward calls: whatever order a client feeds
+tensors to layers in, whatever it edits in place or drops between calls, each call's
+output is that layer's on that input.
+
+Fusion learns "layer B follows layer A on the same tensor" and from then on computes B
+with A's call; a bug there hands one layer's output to another (the executor once
+returned fused outputs in ascending layer order while the client listed them in call
+order). The sequences here repeat a few call orders, as a model does, and break them:
+orders that wrap from the last layer to the first, views of one storage at several
+widths, in-place edits, fresh tensors, `inference_mode` (no version counter: never fused).
+Seeded, so a failure replays; the message names the seed and the step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import symbiont
+from symbiont.client.virt import VirtLayer
+from tests.test_service_server import remote, serve_in_thread
+
+STEPS = 400
+SEEDS = (0, 1, 2)
+
+
+def _orders(rng: random.Random, layers) -> list[list[int]]:
+    """A few call orders a model could make: runs of layers of one input width, in
+    manifest order, reversed, rotated (wrapping), or shuffled."""
+    by_width: dict[int, list[int]] = {}
+    for spec in layers:
+        by_width.setdefault(spec.in_features, []).append(spec.id)
+    orders = []
+    for ids in by_width.values():
+        rotated = ids[len(ids) // 2 :] + ids[: len(ids) // 2]
+        shuffled = ids[:]
+        rng.shuffle(shuffled)
+        orders += [ids, ids[::-1], rotated, shuffled]
+    return orders
+
+
+def _run(call, base, seed: int) -> None:
+    """`call(layer, x)` through fusion, checked against `base.forward` at every step."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    layers = base.manifest.layers
+    widths = sorted({s.in_features for s in layers})
+    wide = torch.randn(5, max(widths), generator=gen)  # narrower inputs are views of it
+    pool = {w: [torch.randn(rng.randint(1, 6), w, generator=gen), wide[:, :w]] for w in widths}
+    orders = _orders(rng, layers)
+    step = 0
+    while step < STEPS:
+        order = rng.choice(orders)
+        width = layers[order[0]].in_features
+        inference = rng.random() < 0.15
+        for layer in order[: rng.randint(1, len(order))]:  # a run may stop early
+            step += 1
+            roll = rng.random()
+            if roll < 0.05:  # edited in place: a fused output computed before is stale
+                rng.choice(pool[width]).add_(0.5)
+            elif roll < 0.10:  # a new tensor in the same place of the pool
+                pool[width][0] = torch.randn(rng.randint(1, 6), width, generator=gen)
+            elif roll < 0.13:  # another tensor of the same width in the middle of a run
+                width_pool = pool[width]
+                width_pool.append(width_pool.pop(0))
+            x = pool[width][0]
+            if inference:
+                with torch.inference_mode():
+                    got = call(layer, x.clone())
+            else:
+                with torch.no_grad():
+                    got = call(layer, x)
+            want = base.forward(layer, x)
+            assert got.shape == want.shape, f"seed {seed} step {step}: layer {layer}"
+            # fp32 rounding only: a fused matmul may sum in another order than one layer's
+            close = torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+            assert close, (
+                f"seed {seed} step {step}: layer {layer} "
+                f"({layers[layer].name}) is off by {float((got - want).abs().max()):.3g}"
+            )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_remote_fusion_gives_each_layer_its_own_output(checkpoints, tmp_path, mode, seed):
+    with (
+        serve_in_thread(checkpoints("llama"), tmp_path) as server,
+        remote(server.endpoints[1], mode=mode) as executor,
+    ):
+        _run(lambda layer, x: executor.forward(layer, x), server.executor, seed)
+        assert executor.stats()["errors"] == 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_in_process_fusion_gives_each_layer_its_own_output(checkpoints, seed):
+    """VirtLayers over an in-process executor fuse through `forward_fused` (one matmul)."""
+    path = checkpoints("llama")
+    base = symbiont.BaseExecutor.from_pretrained(path)
+    model = symbiont.load_client(path, base)
+    virt = {m.spec.id: m for m in model.modules() if isinstance(m, VirtLayer)}
+    assert len(virt) == len(base.manifest.layers)
+    _run(lambda layer, x: virt[layer](x), base, seed)
