@@ -7,7 +7,8 @@ with A's call; a bug there hands one layer's output to another (the executor onc
 returned fused outputs in ascending layer order while the client listed them in call
 order). The sequences here repeat a few call orders, as a model does, and break them:
 orders that wrap from the last layer to the first, views of one storage at several
-widths, in-place edits, fresh tensors, `inference_mode` (no version counter: never fused).
+widths, in-place edits, fresh tensors, `inference_mode` (no version counter: never fused),
+backward calls between them (training).
 Seeded, so a failure replays; the message names the seed and the step.
 """
 
@@ -41,8 +42,10 @@ def _orders(rng: random.Random, layers) -> list[list[int]]:
     return orders
 
 
-def _run(call, base, seed: int) -> None:
-    """`call(layer, x)` through fusion, checked against `base.forward` at every step."""
+def _run(call, grad_call, base, seed: int) -> None:
+    """`call(layer, x)` through fusion, checked against `base.forward` at every step;
+    now and then `grad_call(layer, x, grad_y)` -> (y, grad_x) in a training step instead,
+    checked against `base.backward` too."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     layers = base.manifest.layers
@@ -66,13 +69,22 @@ def _run(call, base, seed: int) -> None:
                 width_pool = pool[width]
                 width_pool.append(width_pool.pop(0))
             x = pool[width][0]
+            grad_y = grad_x = None
             if inference:
                 with torch.inference_mode():
                     got = call(layer, x.clone())
+            elif rng.random() < 0.2:
+                grad_y = torch.randn(x.shape[0], layers[layer].out_features, generator=gen)
+                got, grad_x = grad_call(layer, x, grad_y)
             else:
                 with torch.no_grad():
                     got = call(layer, x)
             want = base.forward(layer, x)
+            if grad_y is not None:
+                want_grad = base.backward(layer, grad_y)
+                assert torch.allclose(grad_x, want_grad, rtol=1e-5, atol=1e-6), (
+                    f"seed {seed} step {step}: layer {layer}'s input gradient"
+                )
             assert got.shape == want.shape, f"seed {seed} step {step}: layer {layer}"
             # fp32 rounding only: a fused matmul may sum in another order than one layer's
             close = torch.allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -89,7 +101,12 @@ def test_remote_fusion_gives_each_layer_its_own_output(checkpoints, tmp_path, mo
         serve_in_thread(checkpoints("llama"), tmp_path) as server,
         remote(server.endpoints[1], mode=mode) as executor,
     ):
-        _run(lambda layer, x: executor.forward(layer, x), server.executor, seed)
+        _run(
+            executor.forward,
+            lambda layer, x, g: (executor.forward(layer, x), executor.backward(layer, g)),
+            server.executor,
+            seed,
+        )
         assert executor.stats()["errors"] == 0
 
 
@@ -101,4 +118,11 @@ def test_in_process_fusion_gives_each_layer_its_own_output(checkpoints, seed):
     model = symbiont.load_client(path, base)
     virt = {m.spec.id: m for m in model.modules() if isinstance(m, VirtLayer)}
     assert len(virt) == len(base.manifest.layers)
-    _run(lambda layer, x: virt[layer](x), base, seed)
+
+    def train(layer, x, grad_y):  # as in a model: autograd through the VirtLayer
+        x = x.detach().requires_grad_()  # the same storage: still fused
+        y = virt[layer](x)
+        y.backward(grad_y)
+        return y.detach(), x.grad
+
+    _run(lambda layer, x: virt[layer](x), train, base, seed)
