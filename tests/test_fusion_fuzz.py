@@ -21,7 +21,7 @@ import torch
 
 import symbiont
 from symbiont.client.virt import VirtLayer
-from tests.test_service_server import remote, serve_in_thread
+from tests.test_service_server import remote, run_at_once, serve_in_thread
 
 STEPS = 400
 SEEDS = (0, 1, 2)
@@ -42,23 +42,25 @@ def _orders(rng: random.Random, layers) -> list[list[int]]:
     return orders
 
 
-def _run(call, grad_call, base, seed: int) -> None:
+def _run(call, grad_call, base, seed: int, steps: int = STEPS, order_seed=None) -> None:
     """`call(layer, x)` through fusion, checked against `base.forward` at every step;
     now and then `grad_call(layer, x, grad_y)` -> (y, grad_x) in a training step instead,
-    checked against `base.backward` too."""
+    checked against `base.backward` too. Clients given one `order_seed` call the same
+    layers in the same order (so that their calls batch), with their own data and edits."""
     rng = random.Random(seed)
+    orng = rng if order_seed is None else random.Random(order_seed)
     gen = torch.Generator().manual_seed(seed)
     layers = base.manifest.layers
     widths = sorted({s.in_features for s in layers})
     wide = torch.randn(5, max(widths), generator=gen)  # narrower inputs are views of it
     pool = {w: [torch.randn(rng.randint(1, 6), w, generator=gen), wide[:, :w]] for w in widths}
-    orders = _orders(rng, layers)
+    orders = _orders(orng, layers)
     step = 0
-    while step < STEPS:
-        order = rng.choice(orders)
+    while step < steps:
+        order = orng.choice(orders)
         width = layers[order[0]].in_features
         inference = rng.random() < 0.15
-        for layer in order[: rng.randint(1, len(order))]:  # a run may stop early
+        for layer in order[: orng.randint(1, len(order))]:  # a run may stop early
             step += 1
             roll = rng.random()
             if roll < 0.05:  # edited in place: a fused output computed before is stale
@@ -126,3 +128,37 @@ def test_in_process_fusion_gives_each_layer_its_own_output(checkpoints, seed):
         return y.detach(), x.grad
 
     _run(lambda layer, x: virt[layer](x), train, base, seed)
+
+
+@pytest.mark.parametrize("policy", ["lockstep", "opportunistic"])
+def test_clients_batched_together_each_get_their_own_outputs(checkpoints, tmp_path, policy):
+    """Two clients call the same layers in the same order, each with its own tensors and
+    edits, so their calls meet in one batch, often with different fused layers."""
+    from symbiont.base.config import BatchingPolicy
+
+    errors = []
+    with serve_in_thread(
+        checkpoints("llama"), tmp_path, policy=BatchingPolicy(kind=policy, max_wait_s=0.05)
+    ) as server:
+
+        def client(seed, mode):
+            try:
+                with remote(server.endpoints[1], mode=mode) as executor:
+                    _run(
+                        executor.forward,
+                        lambda layer, x, g: (
+                            executor.forward(layer, x),
+                            executor.backward(layer, g),
+                        ),
+                        server.executor,
+                        seed,
+                        steps=150,
+                        order_seed=7,
+                    )
+            except Exception as err:  # noqa: BLE001 - reported by the test thread
+                errors.append(f"{mode} client: {err}")
+
+        run_at_once(client, [(10, "shm"), (11, "zmq")])
+        batched = sum(e.calls - e.batches for e in server.stats.layers.values())
+    assert not errors, errors
+    assert batched > 0, "no two calls ever ran in one batch: the test proves nothing"
