@@ -585,7 +585,7 @@ class ExecutorServer:
         rest and counts it. Whatever fails, the loop hears of the batch."""
         rings = []
         try:
-            with torch.inference_mode():  # also for the writes: the views may be its tensors
+            with torch.inference_mode():  # as the loop computes (segment views take any mode)
                 answers = self._compute(calls)
                 for call in calls:
                     answer = answers[id(call)]
