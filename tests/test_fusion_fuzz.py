@@ -162,3 +162,29 @@ def test_clients_batched_together_each_get_their_own_outputs(checkpoints, tmp_pa
         batched = sum(e.calls - e.batches for e in server.stats.layers.values())
     assert not errors, errors
     assert batched > 0, "no two calls ever ran in one batch: the test proves nothing"
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_threads_sharing_one_connection_each_get_their_own_outputs(checkpoints, tmp_path, mode):
+    """A serving engine and a fine-tuning job in one process may share one connection:
+    its fusion state sees both threads' calls interleaved."""
+    errors = []
+    with (
+        serve_in_thread(checkpoints("llama"), tmp_path) as server,
+        remote(server.endpoints[1], mode=mode) as executor,
+    ):
+
+        def client(seed):
+            try:
+                _run(
+                    executor.forward,
+                    lambda layer, x, g: (executor.forward(layer, x), executor.backward(layer, g)),
+                    server.executor,
+                    seed,
+                    steps=200,
+                )
+            except Exception as err:  # noqa: BLE001 - reported by the test thread
+                errors.append(f"thread {seed}: {err}")
+
+        run_at_once(client, [(20,), (21,)])
+    assert not errors, errors
