@@ -640,3 +640,65 @@ def test_a_client_answered_by_the_loop_alone_is_answered_by_workers_beside_anoth
                 run_at_once(client, [(first, 1), (second, 2)])
         assert not errors, f"wrong, missing or failed answers: {errors}"
         assert server._in_flight == 0
+
+
+def _post_without_waiting(executor, layer: int, x: torch.Tensor) -> None:
+    """Post a forward call in `executor`'s segment and ring, as `_call_shm` does, but do
+    not wait for the answer (the test leaves mid-call)."""
+    from symbiont.protocol import shm
+
+    segment = executor._segment
+    segment.input(x.dtype, *x.shape).copy_(x)
+    ctrl = segment.ctrl
+    ctrl[shm.OP], ctrl[shm.LAYER], ctrl[shm.FUSED] = int(Op.FORWARD), layer, 0
+    ctrl[shm.ROWS] = x.shape[0]
+    executor._seq += 1
+    ctrl[shm.REQ_SEQ] = executor._seq
+    assert segment.ring(), "no wake-up pipe to the executor"
+
+
+def test_a_client_leaving_mid_call_keeps_its_segment_mapped_until_the_worker_is_done(
+    checkpoints, tmp_path
+):
+    """A shared-memory client that said BYE (or died) while a worker computed its call:
+    the executor unmapped the segment the worker's matmul was reading, and serve-base
+    died of SIGSEGV with every client. The segment now stays mapped until no batch is in
+    flight; the loop and the other clients go on."""
+    with serve_in_thread(checkpoints("llama"), tmp_path, workers=2) as server:
+        run, entered, go = server.executor.run, threading.Event(), threading.Event()
+        seen = {}
+        last = len(server.manifest.layers) - 1
+
+        def slow_run(op, layer, x):
+            if layer == last:
+                entered.set()
+                go.wait(10)
+                seen["unmapped"] = seen["segment"]._map.closed
+                if seen["unmapped"]:  # reading x now would crash the process
+                    return torch.zeros(x.shape[0], server.manifest.layers[layer].out_features)
+            return run(op, layer, x)
+
+        server.executor.run = slow_run
+        with remote(server.endpoints[0], mode="zmq") as other:  # batches go to workers
+            leaver = remote(server.endpoints[1], mode="shm")
+            x = torch.randn(5, server.manifest.layers[last].in_features)
+            _post_without_waiting(leaver, last, x)
+            assert entered.wait(10), "the call never reached a worker"
+            (session,) = [s for s in server.sessions.values() if s.segment is not None]
+            seen["segment"] = session.segment
+            with pytest.raises(ExecutorError, match="attach between calls"):
+                leaver._attach_shm(4096)  # a new segment would drop the one being read
+            leaver.close()  # BYE while its call runs
+            deadline = time.monotonic() + 10
+            while len(server.sessions) > 1:
+                assert time.monotonic() < deadline, "the BYE was never handled"
+                time.sleep(0.01)
+            go.set()
+            y = torch.randn(3, 32)
+            assert torch.equal(other.forward(0, y), run(Op.FORWARD, 0, y))
+            assert seen["unmapped"] is False, "the segment was unmapped under the worker"
+            deadline = time.monotonic() + 10
+            while not seen["segment"]._map.closed:  # and closed once the batch is done
+                assert time.monotonic() < deadline, "the segment was never closed"
+                time.sleep(0.01)
+        assert server._in_flight == 0 and not server._retired

@@ -109,6 +109,9 @@ class ExecutorServer:
         self._pool: ThreadPoolExecutor | None = None
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # finished batches, from workers
         self._in_flight = 0  # batches handed to workers and not yet answered
+        # Segments of sessions that left while a worker may still read or write them:
+        # closed once no batch is in flight (unmapping under a worker's matmul kills us).
+        self._retired: list[shm.Segment] = []
         if config.workers > 1:
             # A new thread takes OpenMP's default thread count: give workers ours.
             self._pool = ThreadPoolExecutor(
@@ -165,8 +168,10 @@ class ExecutorServer:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._in_flight = 0
         for session in list(self.sessions.values()):
             self._forget(session)
+        self._close_retired()
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._sock.close(linger=0)
@@ -183,6 +188,8 @@ class ExecutorServer:
         got = self._drain_socket() + self._poll_shm()
         if self._pool is not None:
             got += self._answer_finished()
+            if self._retired and not self._in_flight:
+                self._close_retired()
         now = time.monotonic()
         batch = self.scheduler.pop_ready(now) if self._in_flight < self.config.workers else None
         if batch:
@@ -379,6 +386,10 @@ class ExecutorServer:
         client can shrink it under our mapping."""
         if not self.config.allow_shm:
             raise ProtocolError(Code.REFUSED, "this executor does not accept shared memory")
+        if session.waiting:  # its input is read from the segment this would replace
+            raise ProtocolError(
+                Code.BUSY, "a call of this connection is still running: attach between calls"
+            )
         if attach.capacity > self.config.max_call_bytes:
             raise ProtocolError(
                 Code.TOO_LARGE,
@@ -390,7 +401,7 @@ class ExecutorServer:
         except OSError as err:
             raise ProtocolError(Code.REFUSED, f"no shared memory: {err}") from None
         if session.segment is not None:
-            session.segment.close()
+            self._retire(session.segment)
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
         segment.ctrl[shm.DOORBELL] = self._wake_w
@@ -791,9 +802,22 @@ class ExecutorServer:
         session.pending = None
         if session.segment is not None:
             session.segment.ctrl[shm.CLOSED] = 1  # the client says HELLO again
-            session.segment.close()
+            self._retire(session.segment)
             session.segment = None
         self._fit_to_sessions()
+
+    def _retire(self, segment: shm.Segment) -> None:
+        """Close a segment no session uses any more, or, while a worker may still be
+        reading a call's input from it or writing an answer into it, once none is."""
+        if self._in_flight:
+            self._retired.append(segment)
+        else:
+            segment.close()
+
+    def _close_retired(self) -> None:
+        for segment in self._retired:
+            segment.close()
+        self._retired.clear()
 
     def _fit_to_sessions(self) -> None:
         """After a client came or went: whether to spin, and whether to merge calls."""

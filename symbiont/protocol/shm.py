@@ -238,7 +238,9 @@ class Segment:
         self.ctrl.release()
         self._in = self._out = None
         self._views.clear()
-        # A caller may still hold a view; then the mapping goes when that view goes.
+        # Tensors made by torch.frombuffer do not pin the mapping: it goes now, and a view
+        # still in use would then read unmapped memory. The executor closes a segment only
+        # once no call of it is being computed (`ExecutorServer._retire`).
         with contextlib.suppress(BufferError):
             self._map.close()
 
