@@ -281,6 +281,42 @@ def test_calls_of_many_clients_run_as_one_batch(moe_checkpoints):
     server.close()
 
 
+def test_calls_of_different_top_k_in_one_batch_each_get_their_own_rows(moe_checkpoints):
+    """Two clients routing to 2 and to 1 expert per token on one stack: their calls leave
+    the queue together, but ids and weights of different widths do not concatenate. That
+    raised in the executor's loop and stopped it for every client; now each top-k runs
+    as its own experts op."""
+    path = moe_checkpoints("mixtral")
+    executor = symbiont.BaseExecutor.from_pretrained(path)
+    server = ExecutorServer(executor, ServiceConfig(bind=("tcp://127.0.0.1:*",)))
+    runs, replies = [], {}
+    run_experts = executor.run_experts
+    executor.run_experts = lambda op, e, *t: runs.append(t[0].shape[0]) or run_experts(op, e, *t)
+    server._reply = lambda call, ys: replies.setdefault(call.session.label, ys)
+    g = torch.Generator().manual_seed(0)
+    inputs = {}
+    for label, rows, top_k in (("a", 3, 2), ("b", 5, 1)):
+        session = Session(key=label.encode(), label=label, pid=0, host="h", endpoint="e",
+                          connected_at=0.0)  # fmt: skip
+        server.sessions[session.key] = session
+        hidden = torch.randn(rows, 32, generator=g)
+        ids = torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(rows)])
+        weights = torch.rand(rows, top_k, generator=g)
+        inputs[label] = (hidden, ids, weights)
+        server.scheduler.submit(
+            QueuedCall(session, 1, Op.EXPERTS_FORWARD, server.n_linear, hidden, 0.0,
+                       ids=ids, weights=weights)
+        )  # fmt: skip
+    batch = server.scheduler.pop_ready(now=1e9)
+    assert len(batch) == 2
+    server._run(batch, 0.0)
+    assert sorted(runs) == [3, 5], "each top-k should run as its own experts op"
+    for label, (hidden, ids, weights) in inputs.items():
+        (alone,) = executor.call_experts(Op.EXPERTS_FORWARD, 0, hidden, ids, weights)
+        torch.testing.assert_close(replies[label][0], alone, atol=ATOL, rtol=0)
+    server.close()
+
+
 def _keys(path) -> list[str]:
     with safe_open(path / "model.safetensors", framework="pt") as f:
         return list(f.keys())

@@ -702,3 +702,25 @@ def test_a_client_leaving_mid_call_keeps_its_segment_mapped_until_the_worker_is_
                 assert time.monotonic() < deadline, "the segment was never closed"
                 time.sleep(0.01)
         assert server._in_flight == 0 and not server._retired
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_an_unexpected_error_in_a_batch_fails_its_calls_not_the_loop(checkpoints, tmp_path, mode):
+    """Errors the executor expects (out of memory) fail their calls; any other exception
+    in a batch the loop runs itself used to end the loop, and with it every client."""
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        run = server.executor.run
+
+        def buggy_run(op, layer, x):
+            if layer == 3:
+                raise TypeError("a bug (test)")
+            return run(op, layer, x)
+
+        server.executor.run = buggy_run
+        with remote(server.endpoints[1], mode=mode, retries=0) as executor:
+            x = torch.randn(2, 32)
+            with pytest.raises(ExecutorError, match="failed running layer 3: TypeError"):
+                executor.forward(3, x)
+            assert torch.equal(executor.forward(0, x), run(Op.FORWARD, 0, x))
+        with remote(server.endpoints[0]) as other:
+            assert torch.equal(other.forward(0, x), run(Op.FORWARD, 0, x))

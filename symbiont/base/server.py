@@ -580,15 +580,24 @@ class ExecutorServer:
         worker when there is a pool and another client could use the loop meanwhile)."""
         first = calls[0]
         started = time.monotonic()
-        if first.layer >= self.n_linear:
-            tokens = self._run_experts(first.layer - self.n_linear, calls)
-            waited = sum(started - c.arrived for c in calls)
-            self.stats.record(first.layer, len(calls), tokens, waited, started)
-        elif self._pool is not None and (self._in_flight or len(self.sessions) > 1):
+        on_worker = self._pool is not None and (self._in_flight or len(self.sessions) > 1)
+        if on_worker and first.layer < self.n_linear:
             self._in_flight += 1
             self._pool.submit(self._compute_on_worker, calls, started)
-        else:
-            self._answer(calls, self._compute(calls), started, time.monotonic())
+            return
+        try:
+            if first.layer >= self.n_linear:
+                tokens = self._run_experts(first.layer - self.n_linear, calls)
+                waited = sum(started - c.arrived for c in calls)
+                self.stats.record(first.layer, len(calls), tokens, waited, started)
+            else:
+                self._answer(calls, self._compute(calls), started, time.monotonic())
+        except Exception as err:  # a bug in one batch must not stop the loop for everyone
+            log.exception("executor failed on a batch of layer %d", first.layer)
+            for call in calls:
+                if call.session.waiting and not call.answered:
+                    message = f"executor failed running layer {first.layer}: {err!r}"
+                    self._fail(call, Code.INTERNAL, message)
 
     def _compute_on_worker(self, calls: list[QueuedCall], started: float) -> None:
         """A worker thread: compute, answer the shared-memory calls itself (the client
@@ -682,13 +691,14 @@ class ExecutorServer:
         return [list(parts) for parts in zip(*(y.split(sizes) for y in ys), strict=True)]
 
     def _run_experts(self, experts: int, calls: list[QueuedCall]) -> int:
-        """Run an experts stack once per (direction, routing-weights dtype) over the tokens
-        of every call: inside, the tokens of all clients are grouped per expert."""
+        """Run an experts stack once per (direction, top-k, routing-weights dtype) over
+        the tokens of every call: inside, the tokens of all clients are grouped per expert."""
         groups: dict[tuple, list[QueuedCall]] = {}
-        for call in calls:
-            groups.setdefault((call.op, call.weights.dtype), []).append(call)
+        for call in calls:  # ids and weights [n, top_k] concatenate only with one top_k
+            key = (call.op, call.ids.shape[1], call.weights.dtype)
+            groups.setdefault(key, []).append(call)
         tokens = 0
-        for (op, _), group in groups.items():
+        for (op, _, _), group in groups.items():
             outs = self._batched_experts(op, experts, group)
             if outs is None:
                 continue  # those calls were failed; the others still get their answers
@@ -700,12 +710,14 @@ class ExecutorServer:
     def _batched_experts(self, op: Op, experts: int, calls: list[QueuedCall]) -> list | None:
         """Each call's outputs ([y] or [grad_hidden, grad_weights]) from one run."""
         names = ["x", "ids", "weights"] + (["grad_y"] if op is Op.EXPERTS_BACKWARD else [])
-        args = [
-            getattr(calls[0], n) if len(calls) == 1 else torch.cat([getattr(c, n) for c in calls])
-            for n in names
-        ]
         device = self.executor.device
         try:
+            args = [
+                getattr(calls[0], n)
+                if len(calls) == 1
+                else torch.cat([getattr(c, n) for c in calls])
+                for n in names
+            ]
             outs = self.executor.run_experts(op, experts, *(a.to(device) for a in args))
         except (RuntimeError, ValueError) as err:  # e.g. out of memory: fail these calls only
             log.exception("experts %d %s failed", experts, op.name.lower())
