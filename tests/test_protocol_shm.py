@@ -117,3 +117,35 @@ def test_serve_base_raises_its_open_files_limit_for_its_clients():
     assert done.returncode == 0, done.stderr
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     assert int(done.stdout) == (300 if hard == resource.RLIM_INFINITY else min(300, hard))
+
+
+def test_a_bell_numbered_above_1024_still_sleeps_and_wakes():
+    """A client process with many files open (a raised open-files limit, a data loader)
+    gets descriptors from 1024 on, which `select` refuses: every call not answered while
+    spinning failed with "filedescriptor out of range in select()"."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-files hard limit ({hard}) is below what the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:  # the next descriptors are numbered above 1024
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        owner = shm.Segment.create(4096)
+        client = shm.Segment.open(owner.path, 4096)
+        client.open_pipes()
+        assert client._bell_r > 1024
+        assert client.sleep(0.01)  # nothing rang: times out
+        assert owner.wake_client()
+        started = time.monotonic()
+        assert client.sleep(30.0)  # rung: returns at once
+        assert time.monotonic() - started < 5
+        owner.close()
+        assert client.sleep(30.0) is False  # the executor closed the bell
+        client.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import platform
@@ -102,6 +103,7 @@ class Segment:
         # anything a client names); the client opens the read end through /proc.
         self._bell_r: int | None = None
         self._bell_w: int | None = None
+        self._bell_poll = None  # client side: a poll object on _bell_r, made on first sleep
 
     @classmethod
     def create(cls, capacity: int) -> Segment:
@@ -216,7 +218,12 @@ class Segment:
         bell = self._bell_r
         if bell is None:
             return False
-        if select.select((bell,), (), (), timeout_s)[0]:
+        # poll, not select: select refuses descriptors from 1024 on, which a process
+        # with a raised open-files limit and many files open hands out.
+        if self._bell_poll is None:
+            self._bell_poll = select.poll()
+            self._bell_poll.register(bell, select.POLLIN)
+        if self._bell_poll.poll(math.ceil(timeout_s * 1e3)):
             try:
                 if not os.read(bell, 4096):  # end of file: nobody will ring again
                     os.close(bell)
