@@ -724,3 +724,22 @@ def test_an_unexpected_error_in_a_batch_fails_its_calls_not_the_loop(checkpoints
             assert torch.equal(executor.forward(0, x), run(Op.FORWARD, 0, x))
         with remote(server.endpoints[0]) as other:
             assert torch.equal(other.forward(0, x), run(Op.FORWARD, 0, x))
+
+
+@pytest.mark.parametrize("mode", ["shm", "auto"])
+def test_a_call_within_max_call_bytes_grows_the_segment_within_it(checkpoints, tmp_path, mode):
+    """The client grew its segment to a power of two of tokens, which could pass the
+    executor's max_call_bytes though the call itself did not: the ATTACH was refused,
+    and the call failed (mode='shm') or made an impossible view (mode='auto'). A call
+    over max_call_bytes still gets the executor's own refusal."""
+    limit = 3 << 18  # 1536 tokens of the widest layer (lm_head, 32 -> 128)
+    with serve_in_thread(checkpoints("llama"), tmp_path, max_call_bytes=limit) as server:
+        head = len(server.manifest.layers) - 1
+        with remote(server.endpoints[1], mode=mode) as executor:
+            x = torch.randn(1100, 32)  # 563200 bytes of output: 2048 tokens would be over
+            assert torch.equal(executor.forward(head, x), server.executor.forward(head, x))
+            assert executor.transport == "shm"
+            assert executor._segment.capacity <= limit
+            with pytest.raises(ExecutorError, match="max_call_bytes"):
+                executor.forward(head, torch.randn(2000, 32))
+            assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))

@@ -307,9 +307,11 @@ class RemoteExecutor(Executor):
         self._manifest = manifest
         self._widest = max(max(s.in_features, s.out_features) for s in manifest.layers)
         self._server_shm = welcome.shm
+        self._max_call_bytes = welcome.max_call_bytes
 
-    def _attach_shm(self, tokens: int | None = None) -> None:
-        """Allocate a segment for `tokens` tokens of the widest layer and hand it over."""
+    def _attach_shm(self, capacity: int | None = None) -> None:
+        """Ask for a segment of `capacity` bytes per area (default: `shm_tokens` tokens of
+        the widest layer), at most the executor's max_call_bytes, and map it."""
         if not (is_loopback(self.url) and self._server_shm):
             if self.config.mode is Mode.SHM:
                 raise ExecutorError(
@@ -317,8 +319,8 @@ class RemoteExecutor(Executor):
                     f"{self.url} does not: connect with mode='zmq'"
                 )
             return
-        tokens = max(tokens or 0, self.config.shm_tokens)
-        capacity = tokens * self._widest * self._manifest.dtype.itemsize
+        default = self.config.shm_tokens * self._widest * self._manifest.dtype.itemsize
+        capacity = min(max(capacity or 0, default), self._max_call_bytes)
         try:
             attach = Attach(call_id=self._new_id(), capacity=capacity)
             ok = self._await(self._send(attach), self.config.connect_timeout_s)
@@ -349,13 +351,20 @@ class RemoteExecutor(Executor):
             else (spec.out_features, spec.in_features)
         )
         out_ws = [out_w, *(layers[e].out_features for e in extra)]
-        rows = x.shape[0]
-        if self._segment is not None:
-            if rows * max(in_w, sum(out_ws)) * x.element_size() > self._segment.capacity:
-                self._grow(rows * max(in_w, sum(out_ws)) // self._widest)
-            if self._segment is not None:
-                return self._call_shm(op, layer, x, extra, in_w, out_ws)
+        if self._fits_shm(x.shape[0] * max(in_w, sum(out_ws)) * x.element_size()):
+            return self._call_shm(op, layer, x, extra, in_w, out_ws)
         return self._call_frames(op, layer, x, extra, in_w, out_ws)
+
+    def _fits_shm(self, need: int) -> bool:
+        """Whether a call whose input and outputs each take at most `need` bytes goes
+        through shared memory (growing the segment if it must). Else it goes as frames:
+        no segment, one the executor refused to grow, or a call over max_call_bytes, which
+        the executor then refuses with its own message."""
+        if self._segment is None or need > self._max_call_bytes:
+            return False
+        if need > self._segment.capacity:
+            self._grow(need)
+        return self._segment is not None and need <= self._segment.capacity
 
     def _call_experts(self, op: Op, experts: int, tensors: dict) -> tuple:
         """(y,) or (grad_hidden, grad_weights) of one experts call (see protocol.experts)."""
@@ -369,12 +378,8 @@ class RemoteExecutor(Executor):
             self._new_id(), op, experts, rows, width, DTYPE_NAMES[hidden.dtype], (), top_k,
             DTYPE_NAMES[weights.dtype],
         )  # fmt: skip
-        if self._segment is not None:
-            need = max(request.nbytes, reply.nbytes)
-            if need > self._segment.capacity:
-                self._grow(-(-need // (self._widest * hidden.element_size())))
-            if self._segment is not None:
-                return self._experts_shm(call, tensors, request, reply)
+        if self._fits_shm(max(request.nbytes, reply.nbytes)):
+            return self._experts_shm(call, tensors, request, reply)
         self._send_call(call, memoryview(request.pack(tensors).numpy()), copy=False)
         result, data = self._await(call.call_id, self.config.timeout_s, frames=True)
         if result.rows != rows or len(data) != reply.nbytes:
@@ -400,9 +405,12 @@ class RemoteExecutor(Executor):
         views = reply.views(segment.output_area())
         return tuple(views[name].clone() for name in REPLY_NAMES[call.op])
 
-    def _grow(self, tokens: int) -> None:
-        """A bigger segment for `tokens` tokens of the widest layer (next power of two)."""
-        self._attach_shm(1 << max(tokens, 1).bit_length())
+    def _grow(self, need: int) -> None:
+        """A segment of at least `need` bytes per area: room for the next power of two of
+        tokens of the widest layer, within max_call_bytes."""
+        unit = self._widest * self._manifest.dtype.itemsize
+        tokens = 1 << max(need // unit, 1).bit_length()
+        self._attach_shm(max(need, min(tokens * unit, self._max_call_bytes)))
 
     def _call_frames(self, op, layer, x, extra, in_w, out_ws) -> list:
         """x [rows, in_w] as a frame -> outputs [rows, out_w] back to back in one frame."""
