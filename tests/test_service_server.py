@@ -743,3 +743,23 @@ def test_a_call_within_max_call_bytes_grows_the_segment_within_it(checkpoints, t
             with pytest.raises(ExecutorError, match="max_call_bytes"):
                 executor.forward(head, torch.randn(2000, 32))
             assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
+
+
+def test_a_reconnecting_client_frees_its_old_session(checkpoints, tmp_path):
+    """After a timeout or a dropped call the client connects again; it used to leave the
+    old session (and its segment) on the executor until the idle timeout (600 s), where
+    it counted towards max_sessions and, under lockstep, was waited for."""
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        with remote(server.endpoints[1], mode="shm") as executor:
+            x = torch.randn(2, 32)
+            for _ in range(3):
+                executor._reopen()  # what a timed-out or dropped call does
+                assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
+            deadline = time.monotonic() + 10
+            while len(server.sessions) > 1:
+                assert time.monotonic() < deadline, f"{len(server.sessions)} sessions left"
+                time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while server.sessions:
+            assert time.monotonic() < deadline, "close() left its session"
+            time.sleep(0.02)

@@ -123,6 +123,7 @@ class _Lost(Exception):
 
 TIMED_OUT = "timed out"
 DROPPED = "dropped"
+BYE_LINGER_MS = 200  # how long closing a connection waits for its BYE to leave
 
 
 class RemoteExecutor(Executor):
@@ -136,6 +137,7 @@ class RemoteExecutor(Executor):
         self._sock = None
         self._segment: shm.Segment | None = None
         self._manifest: Manifest | None = None
+        self._bye_sent = False
         self._next_id = 0
         self._seq = 0
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
@@ -224,9 +226,7 @@ class RemoteExecutor(Executor):
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.send(encode(Bye(call_id=0)), zmq.NOBLOCK)
+            self._say_bye()
             self._drop()
             if not self._ctx.closed:
                 self._ctx.term()
@@ -260,11 +260,21 @@ class RemoteExecutor(Executor):
             self._attach_shm()
 
     def _reopen(self) -> None:
+        # A new connection is a new session: free the old one now, else it (and its
+        # segment) stays on the executor until its idle timeout.
+        self._say_bye()
         self._drop()
         try:
             self._open()
         except ExecutorUnavailable as err:
             log.warning("%s", err)
+
+    def _say_bye(self) -> None:
+        """Tell the executor this session ends (best effort: it may be gone)."""
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(encode(Bye(call_id=0)), zmq.NOBLOCK)
+            self._bye_sent = True
 
     def _drop(self) -> None:
         if self._fusion is not None:
@@ -272,7 +282,9 @@ class RemoteExecutor(Executor):
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            # A BYE just sent gets a moment to leave; a dead executor costs that moment.
+            self._sock.close(linger=BYE_LINGER_MS if self._bye_sent else 0)
+            self._bye_sent = False
             self._sock = None
         if self._segment is not None:
             self._segment.close()
