@@ -42,3 +42,45 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(base, monkeypat
     assert got == Reference(base, {}).generate(later, None, GREEDY.max_tokens), (
         "the engine did not serve correctly after a failed iteration"
     )
+
+
+def test_a_cancelled_submit_neither_runs_nor_stops_the_engine(base):
+    """A handler's task cancelled while its submit waits for the engine thread (a
+    shutdown, a timeout): settling the cancelled future raised in the engine thread,
+    which then failed every request and refused all new ones until a restart."""
+    import asyncio
+    import threading
+
+    from symbiont.serve.async_engine import AsyncEngine
+
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), CONFIG)
+    failures, added = [], []
+    add_request = engine.add_request
+    engine.add_request = lambda request: added.append(request.request_id) or add_request(request)
+    step, gate = engine.step, threading.Event()
+    engine.step = lambda: gate.wait(10) and step()  # holds the thread until the cancel
+    server = AsyncEngine(engine, on_failure=failures.append).start()
+    busy_prompt, later = prompts(2, seed=3)
+
+    async def scenario():
+        busy = await server.submit(
+            Request("busy", busy_prompt, None, SamplingParams(max_tokens=30, temperature=0.0))
+        )
+        victim = asyncio.create_task(server.submit(Request("victim", later, None, GREEDY)))
+        await asyncio.sleep(0)  # its command is queued behind the busy request's steps
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        gate.set()
+        outputs = [o async for o in busy]
+        after = await server.submit(Request("after", later, None, GREEDY))
+        return outputs, [o async for o in after]
+
+    try:
+        busy_outputs, after_outputs = asyncio.run(scenario())
+        assert server.alive and not failures, failures
+        assert busy_outputs[-1].finished and busy_outputs[-1].error is None
+        assert after_outputs[-1].finished and after_outputs[-1].error is None
+        assert "victim" not in added, "a cancelled submit still added its request"
+    finally:
+        server.stop()

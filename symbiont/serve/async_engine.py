@@ -173,7 +173,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if self.error:
-                future.set_exception(EngineStopped(self._why_stopped()))
+                if future.set_running_or_notify_cancel():  # else its caller is gone
+                    future.set_exception(EngineStopped(self._why_stopped()))
             else:
                 _settle(fn, future)
 
@@ -228,7 +229,15 @@ def _put_each(items: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 
 def _settle(fn: Callable[[], Any], future: Future) -> None:
+    """Run a queued command for its caller. A command whose caller was cancelled before
+    it ran (a handler's task cancelled, a timeout) is skipped: a cancelled submit adds no
+    request nobody reads, and settling a cancelled future would raise in the engine
+    thread and stop it for everyone."""
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(fn())
+        result = fn()
     except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller, not swallowed
         future.set_exception(err)
+        return
+    future.set_result(result)
