@@ -40,12 +40,19 @@ from tests.test_serve_common import Reference, add_char_tokenizer
 
 ENGINE = EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256)
 BASE = "tiny-llama"
-KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key", "dave": "dave-key"}
+KEYS = {
+    "alice": "alice-key",
+    "bob": "bob-key",
+    "carol": "carol-key",
+    "dave": "dave-key",
+    "erin": "erin-key",
+}
 TENANTS = {
     "alice": {"api_key": KEYS["alice"], "max_file_bytes": 4000},
     "bob": {"api_key": "sha256:" + hashlib.sha256(KEYS["bob"].encode()).hexdigest()},
     "carol": {"api_key": KEYS["carol"], "requests_per_minute": 3},
     "dave": {"api_key": KEYS["dave"], "max_concurrent_jobs": 1},
+    "erin": {"api_key": KEYS["erin"], "max_concurrent_jobs": 1},
 }
 LORA = {"method": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}
 
@@ -252,6 +259,9 @@ def test_other_tenants_see_nothing(server, alice, bob, model_dir):
     assert model in adapters(KEYS["alice"]) and model not in adapters(KEYS["bob"])
     assert mine.id not in [f.id for f in bob.files.list()]
     assert job.id not in [j.id for j in bob.fine_tuning.jobs.list()]
+    # a page after another tenant's id reads as one after an id that does not exist
+    assert [f.id for f in bob.files.list(after=mine.id)] == []
+    assert [j.id for j in bob.fine_tuning.jobs.list(after=job.id)] == []
     err = refused(create, bob, mine.id)  # a foreign file id, as a missing one
     assert (err.status_code, err.param) == (404, "training_file")
     assert err.body == refused(create, bob, "file-0123").body | {"message": err.body["message"]}
@@ -386,6 +396,12 @@ def test_bad_uploads_name_line_and_problem(alice):
             "line 1: no assistant turn",
         ),
         (chats(200), 413, "file", "larger than this tenant's max_file_bytes (4000 bytes)"),
+        (  # valid JSON, not text: the tokenizer refused it when a job was created (500)
+            b'{"prompt": "hi", "completion": "\\ud800"}',
+            400,
+            "file",
+            "train.jsonl line 1: a string holds a lone surrogate escape",
+        ),
     ]
     for content, status, param, message in cases:
         err = refused(upload, alice, content)
@@ -418,6 +434,12 @@ def test_bad_job_requests_name_the_field(alice):
             "(0, 10], got 0",
         ),
         ({"suffix": "no spaces"}, 400, "suffix", "letters, digits"),
+        (  # a string here raised AttributeError: a 500
+            {"method": {"type": "supervised", "supervised": "x"}},
+            400,
+            "method.supervised",
+            "must be an object",
+        ),
         (
             {"extra_body": {"window_positions": 0}},
             400,
@@ -454,6 +476,21 @@ def test_bad_job_requests_name_the_field(alice):
         err = refused(alice.fine_tuning.jobs.create, **body)
         assert (err.status_code, err.param) == (status, param), (changes, err.message)
         assert message in err.message, (changes, err.message)
+    # JSON as Python writes it may hold NaN and Infinity, which the openai client will not
+    # send; a NaN stored in a job made every later read of the tenant's jobs a 500
+    for alpha in ("NaN", "Infinity", "-1"):
+        body = f'{{"model": "{BASE}", "training_file": "{good}", "peft": {{"alpha": {alpha}}}}}'
+        answer = httpx.post(
+            f"{alice.base_url}fine_tuning/jobs",
+            content=body,
+            headers={
+                "Authorization": f"Bearer {KEYS['alice']}",
+                "Content-Type": "application/json",
+            },
+        )
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "peft.alpha"
+        assert "must be a positive finite number" in answer.json()["error"]["message"]
     assert [j.id for j in alice.fine_tuning.jobs.list()] == before, "a refused job was created"
 
 
@@ -606,3 +643,30 @@ def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
     text = log.read_text(errors="replace")
     assert "Application shutdown complete" in text and "Traceback" not in text
     assert JobStore(jobs_dir).get_job(None, pending.id).status == "running"
+
+
+def test_jobs_created_at_once_stay_within_max_concurrent_jobs(server):
+    """Creates sent at the same time all passed the limit while their files were read
+    and tokenized, and the tenant got as many jobs as it sent."""
+    erin = client(server, "erin")  # one job at a time
+    file_id = upload(erin, chats(8)).id
+    barrier, outcomes = threading.Barrier(5), []
+
+    def send():
+        barrier.wait()
+        try:
+            outcomes.append(
+                create(erin, file_id, hyperparameters={"n_epochs": 50, "batch_size": 1}).id
+            )
+        except openai.APIStatusError as err:
+            outcomes.append(err.status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    admitted = [o for o in outcomes if isinstance(o, str)]
+    assert len(admitted) == 1 and sorted(o for o in outcomes if o != admitted[0]) == [429] * 4
+    erin.fine_tuning.jobs.cancel(admitted[0])
+    assert wait_for(erin, admitted[0]).status == "cancelled"

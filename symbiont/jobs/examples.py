@@ -46,6 +46,10 @@ class Tokenizing:
         except DataError as err:
             message = str(err) if str(err).startswith(where) else f"{where}: {err}"
             raise invalid(message, param) from None
+        except Exception as err:  # noqa: BLE001 - the tokenizer or its chat template refused it
+            raise invalid(
+                f"{where}: the tokenizer refused this record ({type(err).__name__}: {err})", param
+            ) from None
         if len(example.input_ids) > self.max_length:
             raise invalid(
                 f"{where}: {len(example.input_ids)} tokens, longer than the model's context "

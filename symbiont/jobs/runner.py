@@ -223,9 +223,12 @@ class JobRunner:
         model = peft.get_peft_model(model, build_peft_config(spec.adapter_flags(), total))
         out = self.store.run_dir(job.id)
         checkpoint = latest_checkpoint(out)
-        if checkpoint is not None:  # a restart: the events read as one run
+        # A restart resumes from the last checkpoint (or from step 0 without one): the steps
+        # after it are trained again, so their events go, and the events read as one run.
+        step = 0
+        if checkpoint is not None:
             step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))["step"]
-            self.store.drop_metrics_after(job.id, step)
+        self.store.drop_metrics_after(job.id, step)
 
         def on_step(record: dict) -> None:
             self._on_step(job, record, total, out)

@@ -383,10 +383,12 @@ class JobStore:
 
     def _page(self, table: str, where: str, args: list, after: str | None, limit: int):
         """Rows newest first, after the row whose id is `after`; one extra row tells
-        whether more follow. An unknown `after` gives an empty page."""
+        whether more follow. An unknown `after`, or one outside `where` (another tenant's
+        id, another job's event), gives an empty page: it must read as one that does not
+        exist."""
         if after is not None:
-            where += f" AND seq < (SELECT seq FROM {table} WHERE id = ?)"
-            args = [*args, after]
+            where = f"{where} AND seq < (SELECT seq FROM {table} WHERE id = ? AND {where})"
+            args = [*args, after, *args]
         return self._query(
             f"SELECT * FROM {table} WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
         )

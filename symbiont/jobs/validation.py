@@ -70,6 +70,14 @@ def _record(line: str, where: str) -> dict:
         ) from None
     if not isinstance(record, dict):
         raise invalid(f"{where}: expected a JSON object, got {type(record).__name__}", "file")
+    try:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer takes
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(
+            f"{where}: a string holds a lone surrogate escape (\\ud800-\\udfff), which is not "
+            "text; fix the encoding of this record",
+            "file",
+        ) from None
     if "messages" in record:
         _check_messages(record["messages"], where)
     elif "prompt" in record or "completion" in record:
@@ -209,7 +217,13 @@ def _hyperparameters(body: dict) -> dict:
                 f"method.type: only 'supervised' fine-tuning is offered, got {kind!r}",
                 "method",
             )
-        nested = (method.get("supervised") or {}).get("hyperparameters")
+        supervised = method.get("supervised") or {}
+        if not isinstance(supervised, dict):
+            raise invalid(
+                "method.supervised: must be an object such as {'hyperparameters': {...}}",
+                "method.supervised",
+            )
+        nested = supervised.get("hyperparameters")
         if nested is not None:
             if hyper is not None:
                 raise invalid(
@@ -322,8 +336,13 @@ def _peft(value) -> dict:
     if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RANK:
         raise invalid(f"peft.r: must be an integer in [1, {MAX_RANK}], got {r!r}", "peft.r")
     alpha = value.get("alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
-        raise invalid(f"peft.alpha: must be a number, got {alpha!r}", "peft.alpha")
+    if alpha is not None and (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):  # a NaN stored in the job would make every read of the tenant's jobs fail
+        raise invalid(f"peft.alpha: must be a positive finite number, got {alpha!r}", "peft.alpha")
     dropout = value.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise invalid(f"peft.dropout: must be in [0, 1), got {dropout!r}", "peft.dropout")

@@ -378,6 +378,9 @@ def _router(service: JobsService) -> APIRouter:
                 content = await asyncio.to_thread(store.file_path(file_id).read_bytes)
                 await asyncio.to_thread(site.tokenizing.examples, content, file_id, param)
         events = [("info", f"Validating training file: {spec.training_file}")]
+        # Again, with no await before the insert: creates sent at once all passed the first
+        # check while their files were read, and the tenant got more jobs than its limit.
+        _admit_job(service, tenant)
         job = store.add_job(tenant, spec.as_record(), events, status="validating_files")
         # the stored files are checked again as training will read them, off the event
         # loop; the job shows `validating_files` until then, and `queued` (or `failed`) after
