@@ -569,6 +569,32 @@ def test_restart_finds_everything_and_resumes_exactly(model_dir, tmp_path, slo):
         assert steps == [12, 9, 6, 3]
 
 
+def test_a_job_stopped_before_its_first_checkpoint_logs_each_step_once(model_dir, tmp_path):
+    """Restarted from step 0 (no checkpoint yet), the job trains its first steps again:
+    their events from the stopped run went only when there was a checkpoint to resume
+    from, so steps 1-2 were listed twice."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, jobs_dir=str(tmp_path))
+    spec = {"hyperparameters": {"n_epochs": 1, "batch_size": 1}, "extra": {"checkpoint_every": 6}}
+    with BackgroundServer(config) as first:
+        api = client(first, None)
+        reached, runner = threading.Event(), runner_of(first)
+
+        def pause_at_step_2(job_id: str, step: int) -> None:
+            if step == 2:  # hold the worker here until the server stops it
+                reached.set()
+                runner.stopping.wait(60)
+
+        runner.step_hook = pause_at_step_2
+        job = create(api, upload(api, chats(8)).id, **spec)
+        assert reached.wait(60), "the job never reached step 2"
+    with BackgroundServer(config) as second:
+        api = client(second, None)
+        assert wait_for(api, job.id).status == "succeeded"
+        events = list(api.fine_tuning.jobs.list_events(job.id, limit=100))
+        steps = [e.data["step"] for e in events if e.type == "metrics"]
+        assert sorted(steps) == list(range(1, 9)), "each step's metrics once, as one run"
+
+
 # -- kill -9 and SIGTERM of the real `symbiont serve` -------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
