@@ -107,6 +107,33 @@ def test_resume_refuses_changed_settings(model_dir, executor, examples, tmp_path
         )
 
 
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        (AdapterFlags(method="lora", r=4, dropout=0.1, target="all-linear", alpha=64), "lora_alpha"),
+        (AdapterFlags(method="lora", r=4, dropout=0.5, target="all-linear"), "lora_dropout: checkpoint 0.1, now 0.5"),
+        (AdapterFlags(method="lora", r=4, dropout=0.1, target="q_proj,v_proj"), "target_modules"),
+    ],
+)  # fmt: skip
+def test_resume_refuses_changed_adapter_settings(
+    model_dir, executor, examples, tmp_path, changed, message
+):
+    """The adapter's own settings change the result as much as the optimizer's do: a
+    resume with another alpha or dropout trained a different adapter without a word."""
+    config = TrainConfig(max_steps=2, save_every=2)
+    run(client(model_dir, executor), examples, tmp_path, config=config)
+    with pytest.raises(ValueError, match=rf"training settings changed \(.*{message}"):
+        run(
+            client(model_dir, executor, spec=changed),
+            examples,
+            tmp_path,
+            config=config,
+            resume=True,
+        )
+    same = run(client(model_dir, executor), examples, tmp_path, config=config, resume=True)
+    assert same.steps == 2  # the original settings still resume
+
+
 class _Planted:
     """Unpickling this runs code: it writes a marker file."""
 

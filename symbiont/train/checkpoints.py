@@ -59,6 +59,41 @@ def list_checkpoints(out: Path) -> list[Path]:
     return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: p.name)
 
 
+# adapter_config.json fields that say where the adapter came from, not what it computes
+_PEFT_BOOKKEEPING = frozenset(
+    {"base_model_name_or_path", "revision", "inference_mode", "peft_version", "auto_mapping"}
+)
+
+
+def peft_conflicts(model, checkpoint: Path) -> list[str]:
+    """Adapter settings of `model` (a PeftModel) that differ from those the checkpoint was
+    trained with (its adapter_config.json): resuming with them would train another adapter."""
+    configs = getattr(model, "peft_config", None)
+    saved_file = checkpoint / "adapter_config.json"
+    if not configs or not saved_file.is_file():
+        return []
+    saved = json.loads(saved_file.read_text(encoding="utf-8"))
+    mine = json.loads(json.dumps(next(iter(configs.values())).to_dict(), default=_jsonable))
+    return sorted(
+        f"{key}: checkpoint {saved[key]!r}, now {mine[key]!r}"
+        for key in saved.keys() & mine.keys()
+        if key not in _PEFT_BOOKKEEPING and _normal(saved[key]) != _normal(mine[key])
+    )
+
+
+def _jsonable(value):
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
+    return getattr(value, "value", str(value))  # enums (task type, ...) as PEFT saves them
+
+
+def _normal(value):
+    """Lists of names (target modules, ...) compare as sets: PEFT saves them in any order."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return sorted(value)
+    return value
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     found = list_checkpoints(out)
     return found[-1] if found else None

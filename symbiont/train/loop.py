@@ -23,6 +23,7 @@ from symbiont.train.checkpoints import (
     TrainState,
     latest_checkpoint,
     load_checkpoint,
+    peft_conflicts,
     publish_adapter,
     remove_abandoned_staging,
     save_checkpoint,
@@ -120,8 +121,11 @@ class _Run:
         _truncate_metrics(self.out / METRICS_FILE, self.state.step)
 
     def _restore(self, checkpoint: Path) -> None:
-        saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
-        conflicts = self.config.resume_conflicts(saved.config)
+        # The adapter's settings first: with other target modules its tensors do not fit.
+        conflicts = peft_conflicts(self.model, checkpoint)
+        if not conflicts:
+            saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
+            conflicts = self.config.resume_conflicts(saved.config)
         if conflicts:
             raise ValueError(
                 f"cannot resume from {checkpoint}: the training settings changed "
