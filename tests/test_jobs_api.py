@@ -595,6 +595,36 @@ def test_a_job_stopped_before_its_first_checkpoint_logs_each_step_once(model_dir
         assert sorted(steps) == list(range(1, 9)), "each step's metrics once, as one run"
 
 
+def test_a_job_stopped_while_publishing_keeps_one_results_file(model_dir, tmp_path):
+    """Stopped after writing its results file and before `succeeded`, the job ends again
+    after a restart: it left a second results file, referenced by nothing."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, jobs_dir=str(tmp_path))
+    with BackgroundServer(config) as first:
+        api = client(first, None)
+        data = upload(api, chats(2))
+        runner = runner_of(first)
+        deadline = time.monotonic() + 60
+        while runner.site is None:  # the jobs worker is still starting
+            assert time.monotonic() < deadline, "the jobs worker never started"
+            time.sleep(0.05)
+        reached = threading.Event()
+
+        def publish(name: str, folder: str) -> None:  # the process stops meanwhile
+            reached.set()
+            runner.stopping.wait(60)
+            raise RuntimeError("the engine stopped (test)")
+
+        runner.site = dataclasses.replace(runner.site, publish=publish)
+        job = create(api, data.id)
+        assert reached.wait(120), "the job never got to publishing"
+    with BackgroundServer(config) as second:
+        api = client(second, None)
+        done = wait_for(api, job.id)
+        assert done.status == "succeeded", done.error
+        results = [f.id for f in api.files.list() if f.purpose == "fine-tune-results"]
+        assert results == done.result_files, (results, done.result_files)
+
+
 # -- kill -9 and SIGTERM of the real `symbiont serve` -------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

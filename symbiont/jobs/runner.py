@@ -299,10 +299,19 @@ class JobRunner:
         out = self.store.run_dir(job.id)
         name = model_name(self.site.base_name, job)
         tokens = _trained_tokens(out)
-        results = self.store.add_file(
-            job.tenant, f"{job.id}-results.csv", "fine-tune-results", _results_csv(out)
-        )
-        self.site.publish(name, str(out))  # served before anyone can see `succeeded`
+        filename = f"{job.id}-results.csv"
+        # One left by a run stopped between writing it and `succeeded` is replaced, not kept
+        # beside the new one (a restart resumes at the last checkpoint and ends here again).
+        stale, _ = self.store.list_files(job.tenant, purpose="fine-tune-results")
+        for record in stale:
+            if record.filename == filename:
+                self.store.delete_file(job.tenant, record.id)
+        results = self.store.add_file(job.tenant, filename, "fine-tune-results", _results_csv(out))
+        try:
+            self.site.publish(name, str(out))  # served before anyone can see `succeeded`
+        except BaseException:
+            self.store.delete_file(job.tenant, results.id)
+            raise
         done = self.store.transition(
             job.id,
             "succeeded",
@@ -315,6 +324,7 @@ class JobRunner:
         )
         if not done:  # cancelled in the last instant
             self.site.unpublish(name)
+            self.store.delete_file(job.tenant, results.id)
 
     def _fail(self, job: JobRecord, err: Exception) -> None:
         error = _error_of(err)
