@@ -246,11 +246,10 @@ def symbiont_hello(path):
     )
 
 
-def test_calls_of_many_clients_run_as_one_batch(moe_checkpoints):
-    """Experts calls of two clients on one stack leave the queue together and run as one
-    experts op over both clients' tokens (grouped per expert inside); each client gets
-    its own rows, equal to running its call alone."""
-    path = moe_checkpoints("mixtral")
+def _one_batch_of_experts_calls(path, stack: int, clients):
+    """Queue one EXPERTS_FORWARD call per (label, rows, top_k) on experts `stack`, take the
+    batch the scheduler hands out and run it. -> (rows per experts op run, each client's
+    reply, each client's inputs, the executor)"""
     executor = symbiont.BaseExecutor.from_pretrained(path)
     server = ExecutorServer(executor, ServiceConfig(bind=("tcp://127.0.0.1:*",)))
     runs, replies = [], {}
@@ -259,43 +258,7 @@ def test_calls_of_many_clients_run_as_one_batch(moe_checkpoints):
     server._reply = lambda call, ys: replies.setdefault(call.session.label, ys)
     g = torch.Generator().manual_seed(0)
     inputs = {}
-    for label, rows in (("a", 3), ("b", 5)):
-        session = Session(key=label.encode(), label=label, pid=0, host="h", endpoint="e",
-                          connected_at=0.0)  # fmt: skip
-        server.sessions[session.key] = session
-        hidden = torch.randn(rows, 32, generator=g)
-        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(rows)])
-        weights = torch.rand(rows, 2, generator=g)
-        inputs[label] = (hidden, ids, weights)
-        slot = server.n_linear + 1  # the second layer's experts
-        server.scheduler.submit(
-            QueuedCall(session, 1, Op.EXPERTS_FORWARD, slot, hidden, 0.0, ids=ids, weights=weights)
-        )
-    batch = server.scheduler.pop_ready(now=1e9)
-    assert len(batch) == 2
-    server._run(batch, 0.0)
-    assert runs == [8], "the two clients' tokens did not run as one experts op"
-    for label, (hidden, ids, weights) in inputs.items():
-        (alone,) = executor.call_experts(Op.EXPERTS_FORWARD, 1, hidden, ids, weights)
-        torch.testing.assert_close(replies[label][0], alone, atol=ATOL, rtol=0)
-    server.close()
-
-
-def test_calls_of_different_top_k_in_one_batch_each_get_their_own_rows(moe_checkpoints):
-    """Two clients routing to 2 and to 1 expert per token on one stack: their calls leave
-    the queue together, but ids and weights of different widths do not concatenate. That
-    raised in the executor's loop and stopped it for every client; now each top-k runs
-    as its own experts op."""
-    path = moe_checkpoints("mixtral")
-    executor = symbiont.BaseExecutor.from_pretrained(path)
-    server = ExecutorServer(executor, ServiceConfig(bind=("tcp://127.0.0.1:*",)))
-    runs, replies = [], {}
-    run_experts = executor.run_experts
-    executor.run_experts = lambda op, e, *t: runs.append(t[0].shape[0]) or run_experts(op, e, *t)
-    server._reply = lambda call, ys: replies.setdefault(call.session.label, ys)
-    g = torch.Generator().manual_seed(0)
-    inputs = {}
-    for label, rows, top_k in (("a", 3, 2), ("b", 5, 1)):
+    for label, rows, top_k in clients:
         session = Session(key=label.encode(), label=label, pid=0, host="h", endpoint="e",
                           connected_at=0.0)  # fmt: skip
         server.sessions[session.key] = session
@@ -304,17 +267,43 @@ def test_calls_of_different_top_k_in_one_batch_each_get_their_own_rows(moe_check
         weights = torch.rand(rows, top_k, generator=g)
         inputs[label] = (hidden, ids, weights)
         server.scheduler.submit(
-            QueuedCall(session, 1, Op.EXPERTS_FORWARD, server.n_linear, hidden, 0.0,
+            QueuedCall(session, 1, Op.EXPERTS_FORWARD, server.n_linear + stack, hidden, 0.0,
                        ids=ids, weights=weights)
         )  # fmt: skip
     batch = server.scheduler.pop_ready(now=1e9)
-    assert len(batch) == 2
+    assert len(batch) == len(clients)
     server._run(batch, 0.0)
+    server.close()
+    return runs, replies, inputs, executor
+
+
+def test_calls_of_many_clients_run_as_one_batch(moe_checkpoints):
+    """Experts calls of two clients on one stack leave the queue together and run as one
+    experts op over both clients' tokens (grouped per expert inside); each client gets
+    its own rows, equal to running its call alone."""
+    clients = [("a", 3, 2), ("b", 5, 2)]  # on the second layer's experts
+    runs, replies, inputs, executor = _one_batch_of_experts_calls(
+        moe_checkpoints("mixtral"), 1, clients
+    )
+    assert runs == [8], "the two clients' tokens did not run as one experts op"
+    for label, (hidden, ids, weights) in inputs.items():
+        (alone,) = executor.call_experts(Op.EXPERTS_FORWARD, 1, hidden, ids, weights)
+        torch.testing.assert_close(replies[label][0], alone, atol=ATOL, rtol=0)
+
+
+def test_calls_of_different_top_k_in_one_batch_each_get_their_own_rows(moe_checkpoints):
+    """Two clients routing to 2 and to 1 expert per token on one stack: their calls leave
+    the queue together, but ids and weights of different widths do not concatenate. That
+    raised in the executor's loop and stopped it for every client; now each top-k runs
+    as its own experts op."""
+    clients = [("a", 3, 2), ("b", 5, 1)]
+    runs, replies, inputs, executor = _one_batch_of_experts_calls(
+        moe_checkpoints("mixtral"), 0, clients
+    )
     assert sorted(runs) == [3, 5], "each top-k should run as its own experts op"
     for label, (hidden, ids, weights) in inputs.items():
         (alone,) = executor.call_experts(Op.EXPERTS_FORWARD, 0, hidden, ids, weights)
         torch.testing.assert_close(replies[label][0], alone, atol=ATOL, rtol=0)
-    server.close()
 
 
 def _keys(path) -> list[str]:
