@@ -134,6 +134,19 @@ def test_resume_refuses_changed_adapter_settings(
     assert same.steps == 2  # the original settings still resume
 
 
+def test_resuming_a_finished_run_keeps_its_summary(model_dir, executor, examples, tmp_path):
+    """Nothing left to train: the summary of the run stays (it was rewritten with no steps'
+    loss, NaN), and the adapter is the same."""
+    config = TrainConfig(max_steps=2, save_every=2)
+    first = run(client(model_dir, executor), examples, tmp_path, config=config)
+    summary = (tmp_path / "train_summary.json").read_text()
+    adapter = adapter_tensors(tmp_path)
+    again = run(client(model_dir, executor), examples, tmp_path, config=config, resume=True)
+    assert (tmp_path / "train_summary.json").read_text() == summary
+    assert again.final_loss == first.final_loss and again.steps == 2
+    assert all(torch.equal(adapter[k], v) for k, v in adapter_tensors(tmp_path).items())
+
+
 class _Planted:
     """Unpickling this runs code: it writes a marker file."""
 

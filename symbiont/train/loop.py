@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -164,9 +164,12 @@ class _Run:
             bar.update(1)
         bar.close()
         publish_adapter(self.model, self.out)
+        summary = self.out / SUMMARY_FILE
+        if tokens_here == 0 and summary.is_file():  # --resume of a finished run: keep its
+            return _read_summary(summary)  # summary, not one of no steps (a NaN loss)
         seconds = time.perf_counter() - started
         result = TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, seconds)
-        _write_summary(self.out / SUMMARY_FILE, result)
+        _write_summary(summary, result)
         return result
 
     def _optimizer_step(self) -> tuple[float, int]:
@@ -248,6 +251,11 @@ def evaluate(model, examples: Sequence[Example], config: TrainConfig, pad_token_
 def _write_summary(path: Path, result: TrainResult) -> None:
     record = {**asdict(result), "tokens_per_s": round(result.tokens_per_s, 1)}
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_summary(path: Path) -> TrainResult:
+    record = json.loads(path.read_text(encoding="utf-8"))
+    return TrainResult(*(record[f.name] for f in fields(TrainResult)))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
