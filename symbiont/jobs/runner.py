@@ -262,10 +262,11 @@ class JobRunner:
     def _examples(self, file_id: str | None, param: str):
         if file_id is None:
             return []
-        path = self.store.file_path(file_id)
-        if not path.is_file():
-            raise JobsError(400, f"{param}: the file {file_id} is gone", param)
-        return self.site.tokenizing.examples(path.read_bytes(), file_id, param)
+        try:  # it may vanish (disk trouble, a deletion) at any moment, also while read
+            content = self.store.file_path(file_id).read_bytes()
+        except FileNotFoundError:
+            raise JobsError(400, f"{param}: the file {file_id} is gone", param) from None
+        return self.site.tokenizing.examples(content, file_id, param)
 
     def _on_step(self, job: JobRecord, record: dict, total: int, out: Path) -> None:
         self._record_checkpoints(job, out)
