@@ -30,7 +30,7 @@ from symbiont.serve.adapter_cache import AdapterFailed, AdapterState
 from symbiont.serve.adapters import AdapterError, AdapterNotFound
 from symbiont.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
 from symbiont.serve.engine import RequestError
-from symbiont.serve.http.jobs import mount_jobs
+from symbiont.serve.http.jobs import mount_jobs, tenant_of
 from symbiont.serve.http.metrics import ServeMetrics
 from symbiont.serve.http.protocol import (
     AdapterLoad,
@@ -79,6 +79,9 @@ class ServerState:
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None
+    # adapter name -> the tenant whose POST /v1/adapters loaded it: with --tenants only
+    # that tenant may unload it (what the operator loaded at start serves every tenant)
+    loaded_by: dict[str, str] = field(default_factory=dict)
 
     def ready(self) -> AsyncEngine:
         if self.engine is None:
@@ -116,17 +119,21 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": await _adapter_cards(state)}
 
     @app.post("/v1/adapters")
-    async def load_adapter(body: AdapterLoad):
+    async def load_adapter(body: AdapterLoad, http: Request):
         _check_text(body)
         engine = state.ready()
         if body.name == state.model_name:
             raise APIError(400, "an adapter may not take the base model's name", *_invalid("name"))
-        return await engine.load_adapter(body.name, _adapter_path(state.adapter_dir, body.path))
+        card = await engine.load_adapter(body.name, _adapter_path(state.adapter_dir, body.path))
+        state.loaded_by[body.name] = tenant_of(http)
+        return card
 
     @app.delete("/v1/adapters/{name}")
-    async def unload_adapter(name: str):
+    async def unload_adapter(name: str, http: Request):
         engine, cache = state.ready(), _cache(state)
         loaded = name in engine.engine.adapters.names()
+        if loaded and state.tenants is not None:
+            _check_may_unload(state, http, name)
         if not loaded and cache is not None and cache.state(name) is not None:
             raise APIError(
                 400,
@@ -136,6 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
                 *_invalid("name"),
             )
         await engine.unload_adapter(name)
+        state.loaded_by.pop(name, None)
         return {"id": name, "object": "adapter", "deleted": True}
 
     @app.post("/v1/completions")
@@ -166,6 +174,23 @@ def build_app(state: ServerState) -> FastAPI:
 
     mount_jobs(app, state)  # files, fine-tuning jobs, tenants (outermost middleware)
     return app
+
+
+def _check_may_unload(state: ServerState, http: Request, name: str) -> None:
+    """With --tenants, a tenant unloads only what it loaded by name or fine-tuned itself;
+    the tenant gate already answers 404 for another tenant's fine-tuned model."""
+    tenant = tenant_of(http)
+    if state.loaded_by.get(name) == tenant or http.app.state.jobs.owner(name) == tenant:
+        return
+    who = "another tenant" if name in state.loaded_by else "the operator, at start"
+    raise APIError(
+        403,
+        f"adapter {name!r} was loaded by {who} and serves every tenant; a tenant may unload "
+        "only adapters it loaded with POST /v1/adapters or fine-tuned itself",
+        "permission_error",
+        "name",
+        "adapter_not_yours",
+    )
 
 
 # -- request handling -------------------------------------------------------------------
