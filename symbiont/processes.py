@@ -141,7 +141,9 @@ class ServerProcess:
     """`symbiont serve-base` as a child; stops with `stop()`, `with`, or when we exit.
 
     bind defaults to a free loopback TCP port plus an IPC socket in a private folder;
-    `args` are more serve-base flags; logs go to `workdir` (default: that folder).
+    `args` are more serve-base flags; logs go to `workdir` (default: that folder). The
+    private folder is removed once the server has stopped, unless it failed and the log
+    there is what tells why (`log_text()` still returns the log after a clean stop).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class ServerProcess:
         self.threads = threads
         self.endpoints: list[str] = []
         self.job: Job | None = None
+        self._final_log: str | None = None  # the log, read before its folder went
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -182,7 +185,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if finished(self.job) or time.monotonic() > deadline:
-                self.stop()
+                stop(self.job)  # not self.stop(): the log stays where the message says
                 raise RuntimeError(f"serve-base did not start; see {self.log}:\n{tail(self.log)}")
             time.sleep(0.05)
         self.endpoints = json.loads(ready.read_text())["endpoints"]
@@ -193,14 +196,20 @@ class ServerProcess:
         return next(u for u in self.endpoints if u.startswith(f"{scheme}://"))
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        if self.log.exists():
+            return self.log.read_text(errors="replace")
+        return self._final_log or ""
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code."""
         if self.job is None:
+            shutil.rmtree(self.folder, ignore_errors=True)
             return None
         stop(self.job, timeout_s)
         if self.workdir != self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        elif self.job.returncode == 0 and self.folder.exists():
+            self._final_log = self.log_text()
             shutil.rmtree(self.folder, ignore_errors=True)
         return self.job.returncode
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import time
@@ -352,6 +353,7 @@ def test_a_killed_executor_is_named_as_gone_not_as_slow(checkpoints):
         executor.close()
     finally:
         server.stop()
+        shutil.rmtree(server.folder, ignore_errors=True)  # kept: it was killed, not stopped
 
 
 def _pss_bytes(pid: int) -> int:
