@@ -9,13 +9,15 @@ Two measurements, each pair in the same run, interleaved (repeat r runs plain th
    batch sizes; best of --repeats; the ratio plain / packed (above 1: packing wins). This
    is what chose `MIN_PACKED_WEIGHTS` in symbiont/base/prepack.py.
 2. The serving engine (no HTTP) generating --max-tokens greedy tokens for --batch requests
-   on --model, with a plain `BaseExecutor` and with a `PrepackedExecutor`; tokens/s of
-   each, their ratio, and how many sequences came out token for token the same.
+   on --model, with a plain `BaseExecutor`, a `PrepackedExecutor` packing one product per
+   big layer (as before session 11), and today's (one product per fused q/k/v and gate/up,
+   small layers' packed copies used from 8 rows); tokens/s of each, ratios, and how many
+   sequences came out token for token the plain ones. Arms take turns in every order.
 
---model: 'default' (the embedded model: every layer under the packing threshold, so both
-arms run the same code), '100m' or '500m' (head_dim-64 Llamas built like
-benchmarks/peers/vllm_cpu.py's, into --out), or a checkpoint folder. One torch thread
-unless --threads.
+--model: 'default' (the embedded model: every layer under the packing threshold, so the
+first two arms run the same code), 'small' (4.0M), '100m' or '500m' (head_dim-64 Llamas
+built like benchmarks/peers/vllm_cpu.py's, into --out), or a checkpoint folder. One torch
+thread unless --threads.
 """
 
 from __future__ import annotations
@@ -69,7 +71,15 @@ def layer_ratios(rows: tuple[int, ...], repeats: int) -> list[tuple[int, int, in
     return out
 
 
-def engine_tokens_per_s(model: str, packed: bool, args) -> tuple[float, list[list[int]]]:
+# engine arms: name -> PrepackedExecutor's settings (None: the plain executor)
+ENGINE_ARMS = {
+    "plain": None,
+    "packed per layer": {"min_rows": None, "fuse_siblings": False},  # before session 11
+    "packed": {},  # fused q/k/v and gate/up products; small layers' copies from 8 rows
+}
+
+
+def engine_tokens_per_s(model: str, arm: str, args) -> tuple[float, list[list[int]]]:
     import torch
 
     from symbiont import BaseExecutor, load_client
@@ -77,8 +87,8 @@ def engine_tokens_per_s(model: str, packed: bool, args) -> tuple[float, list[lis
     from symbiont.serve import Engine, EngineConfig, SamplingParams
 
     executor = BaseExecutor.from_pretrained(model, dtype=torch.float32)
-    if packed:
-        executor = PrepackedExecutor(executor)
+    if ENGINE_ARMS[arm] is not None:
+        executor = PrepackedExecutor(executor, **ENGINE_ARMS[arm])
     config = EngineConfig(max_running=args.batch, max_batched_tokens=1024)
     engine = Engine(load_client(model, executor), config)
     g = torch.Generator().manual_seed(0)
@@ -97,7 +107,7 @@ def resolve_model(name: str, out: Path) -> str:
 
     if name == "default":
         return str(symbiont.default_model())
-    if name in ("100m", "500m"):
+    if name in ("small", "100m", "500m"):
         from vllm_cpu import sized_checkpoint
 
         return str(sized_checkpoint(out / f"llama-{name}", name, seed=0))
@@ -108,7 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="100m", help="default, 100m, 500m or a folder")
+    parser.add_argument("--model", default="100m", help="default, small, 100m, 500m or a folder")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -135,20 +145,25 @@ def main() -> int:
                 f"| {plain / packed:.2f}x |"
             )
     model = resolve_model(args.model, args.out)
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    outputs: dict[bool, list] = {}
-    for _ in range(args.repeats):
-        for packed in (False, True):
-            rate, outputs[packed] = engine_tokens_per_s(model, packed, args)
-            rates[packed].append(rate)
-    same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
-    plain, packed = max(rates[False]), max(rates[True])
+    rates: dict[str, list[float]] = {arm: [] for arm in ENGINE_ARMS}
+    outputs: dict[str, list] = {}
+    for repeat in range(args.repeats):
+        arms = list(ENGINE_ARMS)
+        for arm in arms[repeat % len(arms) :] + arms[: repeat % len(arms)]:  # each order
+            rate, outputs[arm] = engine_tokens_per_s(model, arm, args)
+            rates[arm].append(rate)
+    best = {arm: max(r) for arm, r in rates.items()}
     print(
         f"\nengine on {model}: {args.batch} requests x {args.max_tokens} tokens, "
-        f"{args.threads} thread(s), best of {args.repeats}: plain {plain:.1f} tokens/s, "
-        f"packed {packed:.1f} tokens/s, packed / plain {packed / plain:.2f}x; "
-        f"{same}/{len(outputs[True])} sequences token for token the same"
+        f"{args.threads} thread(s), best of {args.repeats}:"
     )
+    for arm, rate in best.items():
+        same = sum(a == b for a, b in zip(outputs["plain"], outputs[arm], strict=True))
+        print(
+            f"  {arm}: {rate:.1f} tokens/s, {rate / best['plain']:.2f}x plain; "
+            f"{same}/{len(outputs[arm])} sequences token for token the plain ones"
+        )
+    print(f"  packed / packed per layer: {best['packed'] / best['packed per layer']:.2f}x")
     return 0
 
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.base.prepack import MIN_PACKED_WEIGHTS, PrepackedExecutor, can_prepack
+from symbiont.base.prepack import (
+    MIN_PACKED_WEIGHTS,
+    PACKED_MIN_ROWS,
+    PrepackedExecutor,
+    can_prepack,
+)
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
 from symbiont.serve import Engine, EngineConfig, SamplingParams
@@ -53,13 +58,35 @@ def test_conv1d_layers_stay_plain_and_exact(checkpoints):
     assert torch.equal(packed.call(Op.FORWARD, conv[0], x), plain.call(Op.FORWARD, conv[0], x))
 
 
-def test_small_layers_are_left_plain_by_default_and_memory_is_unchanged(checkpoints):
+def test_small_layers_keep_their_plain_weights_beside_a_packed_copy(checkpoints):
+    """Below MIN_PACKED_WEIGHTS a module keeps its plain weights (calls of few rows stay
+    bit for bit the plain executor's, and backward works) and gets a packed copy for calls
+    of PACKED_MIN_ROWS rows and more; packing big modules changes no memory."""
     plain = BaseExecutor.from_pretrained(checkpoints("llama"))
     default = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")))
     assert all(s.in_features * s.out_features < MIN_PACKED_WEIGHTS for s in plain.manifest.layers)
     assert default.packed_layers == frozenset()
+    linear_bytes = sum(
+        4 * (s.in_features * s.out_features + s.out_features * s.has_bias)
+        for s in plain.manifest.layers
+        if s.kind is LayerKind.LINEAR
+    )
+    assert default.weight_bytes() == plain.weight_bytes() + linear_bytes
     everything = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), 0)
     assert everything.weight_bytes() == plain.weight_bytes()
+    g = torch.Generator().manual_seed(1)
+    for spec in plain.manifest.layers:
+        few = torch.randn(PACKED_MIN_ROWS - 1, spec.in_features, generator=g)
+        many = torch.randn(PACKED_MIN_ROWS, spec.in_features, generator=g)
+        assert torch.equal(
+            default.call(Op.FORWARD, spec.id, few), plain.call(Op.FORWARD, spec.id, few)
+        )
+        want, got = plain.call(Op.FORWARD, spec.id, many), default.call(Op.FORWARD, spec.id, many)
+        assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), spec.name
+        grad_y = torch.randn(PACKED_MIN_ROWS, spec.out_features, generator=g)
+        assert torch.equal(
+            default.call(Op.BACKWARD, spec.id, grad_y), plain.call(Op.BACKWARD, spec.id, grad_y)
+        )
 
 
 def test_backward_through_a_packed_layer_is_refused_with_what_to_do(checkpoints):
@@ -70,13 +97,16 @@ def test_backward_through_a_packed_layer_is_refused_with_what_to_do(checkpoints)
         packed.call(Op.BACKWARD, layer, grad_y)
 
 
-def test_engine_on_packed_weights_generates_what_vanilla_transformers_does(checkpoints):
+@pytest.mark.parametrize("min_weights", [0, MIN_PACKED_WEIGHTS])
+def test_engine_on_packed_weights_generates_what_vanilla_transformers_does(
+    checkpoints, min_weights
+):
     base = checkpoints("llama")
     reference = Reference(base, {})
-    executor = PrepackedExecutor(BaseExecutor.from_pretrained(base), min_weights=0)
-    config = EngineConfig(max_running=6, max_batched_tokens=16, block_size=4, num_blocks=128)
+    executor = PrepackedExecutor(BaseExecutor.from_pretrained(base), min_weights=min_weights)
+    config = EngineConfig(max_running=12, max_batched_tokens=16, block_size=4, num_blocks=128)
     engine = Engine(load_client(base, executor), config)
-    batch = prompts(6, seed=7)
+    batch = prompts(12, seed=7)  # decode steps of 12 rows: the small modules' packed copies
     outputs = engine.generate(batch, None, SamplingParams(max_tokens=8, temperature=0.0))
     for prompt, got in zip(batch, outputs, strict=True):
         assert got == reference.generate(prompt, None, 8)
@@ -107,16 +137,37 @@ def test_serve_packs_unless_jobs_train_through_its_executor(checkpoints, tmp_pat
 
 
 @pytest.mark.parametrize("min_weights", [0, MIN_PACKED_WEIGHTS])
-def test_fused_calls_give_what_separate_calls_give(checkpoints, min_weights):
-    plain = BaseExecutor.from_pretrained(checkpoints("llama"))
-    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), min_weights)
+@pytest.mark.parametrize("rows", [PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 33])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_calls_give_what_separate_calls_give(checkpoints, min_weights, rows, arch):
+    plain = BaseExecutor.from_pretrained(checkpoints(arch))
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints(arch)), min_weights)
     names = {s.name: s.id for s in plain.manifest.layers}
-    qkv = tuple(names[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv")
-    x = torch.randn(5, plain.manifest.layers[qkv[0]].in_features)
-    for want, got in zip(plain.forward_fused(qkv, x), packed.forward_fused(qkv, x), strict=True):
-        assert torch.allclose(got, want, atol=ATOL, rtol=RTOL)
-    if not packed.packed_layers:  # unpacked modules keep their block: the very same bits
-        assert all(
-            torch.equal(a, b)
-            for a, b in zip(plain.forward_fused(qkv, x), packed.forward_fused(qkv, x), strict=True)
-        )
+    g = torch.Generator().manual_seed(rows)
+    for group in (("self_attn", "qkv"), ("mlp", ("gate", "up"))):
+        fused = tuple(names[f"model.layers.0.{group[0]}.{p}_proj"] for p in group[1])
+        x = torch.randn(rows, plain.manifest.layers[fused[0]].in_features, generator=g)
+        want, got = plain.forward_fused(fused, x), packed.forward_fused(fused, x)
+        alone = [packed.call(Op.FORWARD, layer, x) for layer in fused]  # its siblings too
+        for w, f, a in zip(want, got, alone, strict=True):
+            assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
+            assert torch.allclose(a, w, atol=ATOL, rtol=RTOL)
+        if not packed.packed_layers and rows < PACKED_MIN_ROWS:  # the plain block itself
+            assert all(torch.equal(w, f) for w, f in zip(want, got, strict=True))
+        partial = fused[:2]  # a fused call that is no packed product: one per layer
+        for w, f in zip(
+            plain.forward_fused(partial, x), packed.forward_fused(partial, x), strict=True
+        ):
+            assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
+
+
+def test_q_k_v_and_gate_up_are_one_packed_product_each(checkpoints):
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")), min_weights=0)
+    products = [p.layers for p in packed._products()]
+    names = [tuple(packed.manifest.layers[i].name.rpartition(".")[2] for i in layers)
+             for layers in products]  # fmt: skip
+    layers = sum(s.name.endswith(".o_proj") for s in packed.manifest.layers)
+    assert layers > 0
+    assert names.count(("q_proj", "k_proj", "v_proj")) == layers
+    assert names.count(("gate_proj", "up_proj")) == layers
+    assert names.count(("o_proj",)) == names.count(("down_proj",)) == layers
