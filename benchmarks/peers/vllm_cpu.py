@@ -353,7 +353,9 @@ def plot(rows: list[dict], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not importable: no plot written", flush=True)
+        print(
+            "matplotlib is not importable: no plot written (pip install -e '.[bench]')", flush=True
+        )
         return False
     labels = [row["label"] for row in rows]
     x = np.arange(len(rows))
