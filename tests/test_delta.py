@@ -9,6 +9,7 @@ within 1e-4.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -540,3 +541,26 @@ def test_solver_matches_the_sparsegpt_reference(bits):
     want = sparsegpt_reference(delta, hessian, bits)
     got = solve_obs(delta, hessian, CompressConfig(bits=bits, group_size=0)).dense()
     assert torch.allclose(got, want, rtol=0, atol=1e-9), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("lm_head.weight", float("nan"), "holds NaN or infinite values"),
+        ("model.embed_tokens.weight", float("inf"), "holds NaN or infinite values"),
+        ("model.norm.weight", 1e6, "beyond what its fp16 delta can hold"),
+    ],
+)
+def test_refuses_non_finite_or_out_of_range_fine_tunes(pair, tmp_path, where, value, message):
+    """A NaN in a row the calibration never reads, or a change fp16 cannot hold, was
+    compressed silently (and merged into NaN or inf weights); now it is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    base, finetuned, _, calibration, _ = pair
+    broken = shutil.copytree(finetuned, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    tensors[where][-1, ...] = value  # the last embedding row: no calibration token reads it
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{re.escape(where)}.*{message}"):
+        compress(base, broken, tmp_path / "out", calibration, CompressConfig(group_size=16))
+    assert not (tmp_path / "out").exists()

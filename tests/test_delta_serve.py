@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 
@@ -379,3 +380,133 @@ def test_engine_config_refuses_bad_delta_limits():
         EngineConfig(max_skips=-1)
     with pytest.raises(ValueError, match="hot"):
         EngineConfig(delta_mode="hot")
+
+
+def _delta_folder(delta_dir, to, edit=None):
+    """A copy of `delta_dir` at `to`, its manifest changed by `edit(record)`."""
+    _copy(delta_dir, to)
+    if edit is not None:
+        manifest = to / "manifest.json"
+        record = json.loads(manifest.read_text())
+        edit(record)
+        manifest.write_text(json.dumps(record))
+    return to
+
+
+def _zstd_bomb(folder, inflated_bytes: int) -> None:
+    """A data file of `inflated_bytes` zeros, zstd-compressed, with a matching manifest."""
+    import hashlib
+
+    import zstandard
+
+    (folder / "delta.safetensors").unlink()
+    payload = zstandard.ZstdCompressor().compress(bytes(inflated_bytes))
+    (folder / "delta.safetensors.zst").write_bytes(payload)
+    manifest = folder / "manifest.json"
+    record = json.loads(manifest.read_text())
+    sha = hashlib.sha256(payload).hexdigest()
+    record["files"] = {"delta.safetensors.zst": {"sha256": sha, "bytes": len(payload)}}
+    manifest.write_text(json.dumps(record))
+
+
+def test_hostile_delta_folders_fail_alone(served, tmp_path):
+    """Delta folders under --adapter-dir that read outside their folder, carry malformed or
+    foreign entries, or inflate without bound are refused with the reason; the scan, the
+    engine and the good delta go on (each of these once crashed the scan, read a host
+    file, or failed every request of the engine)."""
+    base, delta_dir, _, _, _ = served
+    root = tmp_path / "dir"
+    root.mkdir()
+    outside = _copy(delta_dir, tmp_path / "outside")
+    _copy(delta_dir, root / "ft")
+
+    def files_key(name):
+        def edit(record):
+            record["files"] = {name: next(iter(record["files"].values()))}
+
+        return edit
+
+    def first_layer(**fields):
+        def edit(record):
+            record["layers"][0].update(fields)
+
+        return edit
+
+    def add_param(entry):
+        def edit(record):
+            record["params"].append(entry)
+
+        return edit
+
+    _delta_folder(delta_dir, root / "escape", files_key("../../outside/delta.safetensors"))
+    _delta_folder(delta_dir, root / "host-file", files_key("/etc/passwd"))
+    link = _delta_folder(delta_dir, root / "link")
+    (link / "delta.safetensors").unlink()
+    (link / "delta.safetensors").symlink_to(outside / "delta.safetensors")
+    _delta_folder(delta_dir, root / "bad-shape", first_layer(shape=5))
+    _delta_folder(delta_dir, root / "list-name", first_layer(name=["x"]))
+    _delta_folder(delta_dir, root / "no-weight", first_layer(name="model.layers.0.mlp"))
+    _delta_folder(delta_dir, root / "embedding-as-layer", first_layer(name="model.embed_tokens"))
+    wrong = {"name": "model.layers.0.mlp.down_proj.weight", "kind": "fp16_delta", "shape": [8, 8]}
+    _delta_folder(delta_dir, root / "wrong-param", add_param(wrong))
+    _zstd_bomb(_delta_folder(delta_dir, root / "bomb"), 80 << 20)
+    reasons = {
+        "escape": "names data file",
+        "host-file": "names data file",
+        "link": "link that leaves the delta folder",
+        "bad-shape": "malformed entry",
+        "list-name": "malformed entry",
+        "no-weight": "not a linear layer of this model",
+        "embedding-as-layer": "not a linear layer of this model",
+        "wrong-param": "is [32, 64] in this model, [8, 8] in the delta",
+        "bomb": "inflates to more than",
+    }
+    config = EngineConfig(max_running=8, max_batched_tokens=64, block_size=4, num_blocks=128)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    cache = engine.attach_adapter_dir(root)  # the scan refuses what it can tell alone
+    names = ["ft", *reasons, None]
+    batch = prompts(len(names), seed=17)
+    scanned = {card["id"]: card for card in cache.cards()}
+    requests = []
+    for i, (prompt, name) in enumerate(zip(batch, names, strict=True)):
+        request = Request(f"r{i}", prompt, name, GREEDY)
+        if name in scanned and scanned[name]["state"] == "failed":  # refused by the scan
+            with pytest.raises(AdapterFailed, match=re.escape(reasons[name])):
+                engine.add_request(request)
+        else:
+            requests.append(request)
+    run_all(engine, requests)
+    for request in requests:
+        if request.adapter in reasons:
+            assert reasons[request.adapter] in request.error, request.error
+        else:
+            assert request.error is None, request.error
+            prompt = batch[names.index(request.adapter)]
+            expected = want(served, prompt, request.adapter, GREEDY.max_tokens)
+            assert request.sequences[0].output_ids == expected, request.adapter
+    cards = {card["id"]: card for card in cache.cards()}
+    assert {name: cards[name]["state"] for name in reasons} == dict.fromkeys(reasons, "failed")
+    assert "1221 bytes" not in json.dumps(cards), "nothing about host files in the reasons"
+
+
+def test_a_delta_changing_embeddings_shares_a_batch_with_prompt_tuning(served, tmp_path):
+    """Virtual tokens make the engine call the embedding with 1-D token ids; the delta's
+    embedding rows must still be put in (this failed every such batch)."""
+    import peft
+
+    from tests.test_serve_common import save_adapter
+
+    base, delta_dir, _, _, merged = served
+    assert any("embed_tokens" in name for name in load_delta(delta_dir).params)
+    config = peft.PromptTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM")
+    tuned = save_adapter(base, config, tmp_path / "pt", seed=1)
+    reference = Reference(base, {"pt": tuned})
+    engine = engine_with(base, delta_dir, {"pt": tuned})
+    names = ["ft", "pt", None, "ft"]
+    batch = prompts(len(names), seed=19)
+    outputs = engine.generate(batch, names, GREEDY)
+    for prompt, name, got in zip(batch, names, outputs, strict=True):
+        ref = merged.generate(prompt, None, GREEDY.max_tokens) if name == "ft" else (
+            reference.generate(prompt, name, GREEDY.max_tokens)
+        )  # fmt: skip
+        assert got == ref, name

@@ -45,6 +45,7 @@ from symbiont.model.skeleton import build_skeleton, checkpoint_key, owner_of, se
 log = logging.getLogger(__name__)
 
 CALIB_BATCH = 16  # calibration sequences per forward
+FP16_MAX = float(torch.finfo(torch.float16).max)  # parameter deltas are stored in fp16
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,13 @@ class _Run:
         return isinstance(owner, nn.Embedding)
 
     def _read(self, checkpoint: Checkpoint, name: str) -> torch.Tensor:
-        return checkpoint.read(checkpoint_key(self.model, checkpoint, name))
+        tensor = checkpoint.read(checkpoint_key(self.model, checkpoint, name))
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{name} in {checkpoint.path} holds NaN or infinite values; a delta of a "
+                "broken checkpoint would serve them, fix or re-train that checkpoint"
+            )
+        return tensor
 
     def _set(self, name: str, value: torch.Tensor) -> None:
         owner, leaf = owner_of(self.model, name)
@@ -255,6 +262,11 @@ def param_delta(
     delta = finetuned.float() - base.float()
     if not bool(delta.any()):
         return None
+    if float(delta.abs().max()) > FP16_MAX:
+        raise ValueError(
+            f"{name} changed by up to {float(delta.abs().max()):.3g}, beyond what its fp16 "
+            f"delta can hold (±{FP16_MAX:g}); the fine-tune diverged, check that checkpoint"
+        )
     shape = tuple(base.shape)
     if embedding and delta.dim() == 2:
         rows = delta.any(dim=1).nonzero().flatten()

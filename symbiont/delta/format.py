@@ -35,6 +35,10 @@ VERSION = 1
 MANIFEST = "manifest.json"
 DATA_FILE = "delta.safetensors"
 ZSTD_SUFFIX = ".zst"
+# zstd gains about 1.2x on packed layers and fp16 deltas (BENCHMARKS.md, issue 16); a file inflating past this many
+# times its size (or MIN_INFLATED_BYTES, for tiny ones) is refused before it fills memory
+MAX_INFLATION = 64
+MIN_INFLATED_BYTES = 64 << 20
 
 
 class ParamKind:
@@ -90,6 +94,11 @@ class ParamDelta:
             raise DeltaFormatError(
                 f"{where}: stored tensors do not match the manifest shape {list(self.shape)}; "
                 "the file is corrupt, re-compress the delta"
+            )
+        if not bool(torch.isfinite(self.delta).all()):
+            raise DeltaFormatError(
+                f"{where}: the delta holds NaN or infinite values; the fine-tuned checkpoint "
+                "it came from is broken or beyond fp16's range, re-compress a sound one"
             )
 
 
@@ -184,7 +193,35 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     entries = [*manifest["layers"], *manifest["params"], *manifest["files"].values()]
     if not all(isinstance(entry, dict) for entry in entries):
         raise DeltaFormatError(f"{file} has a malformed layer, parameter or file entry")
+    for entry in [*manifest["layers"], *manifest["params"]]:
+        shape = entry.get("shape")
+        if not isinstance(entry.get("name"), str) or not (
+            isinstance(shape, list) and all(type(n) is int and n >= 1 for n in shape)
+        ):
+            raise DeltaFormatError(
+                f"{file} has a malformed entry {str(entry)[:200]}: each needs a string 'name' "
+                "and a 'shape' list of positive integers; re-compress the delta"
+            )
+    for name, meta in manifest["files"].items():
+        if name not in (DATA_FILE, DATA_FILE + ZSTD_SUFFIX):
+            raise DeltaFormatError(
+                f"{file} names data file {name[:200]!r}; a delta's data file is {DATA_FILE} "
+                f"or {DATA_FILE + ZSTD_SUFFIX} in its own folder, re-compress the delta"
+            )
+        if type(meta.get("bytes")) is not int or not isinstance(meta.get("sha256"), str):
+            raise DeltaFormatError(f"{file}: {name} needs integer 'bytes' and a 'sha256'")
+    _refuse_links_out(path, file)
     return manifest
+
+
+def _refuse_links_out(folder: Path, file: Path) -> None:
+    """A server reads deltas only from folders it was told to trust: a manifest or data
+    file that links elsewhere would let a tenant's folder read any file of the host."""
+    if not file.resolve().is_relative_to(folder.resolve()):
+        raise DeltaFormatError(
+            f"{file} is a link that leaves the delta folder {folder}; copy the file into the "
+            "folder instead of linking to it"
+        )
 
 
 def read_delta(folder: str | os.PathLike) -> CompressedDelta:
@@ -205,6 +242,7 @@ def _read_verified_tensors(path: Path, files: dict) -> dict[str, torch.Tensor]:
     file = path / name
     if not file.is_file():
         raise DeltaFormatError(f"{file} is missing; copy the whole delta folder")
+    _refuse_links_out(path, file)
     size = file.stat().st_size
     if size != meta.get("bytes"):
         raise DeltaFormatError(
@@ -222,10 +260,17 @@ def _read_verified_tensors(path: Path, files: dict) -> dict[str, torch.Tensor]:
     if name.endswith(ZSTD_SUFFIX):
         import zstandard
 
+        limit = max(MIN_INFLATED_BYTES, MAX_INFLATION * len(payload))
         try:
-            payload = zstandard.ZstdDecompressor().decompress(payload)
+            reader = zstandard.ZstdDecompressor().stream_reader(payload)
+            payload = reader.read(limit + 1)  # a bounded read: no zstd bomb fills memory
         except zstandard.ZstdError as err:
             raise DeltaFormatError(f"{file} is not valid zstd data: {err}") from err
+        if len(payload) > limit:
+            raise DeltaFormatError(
+                f"{file} inflates to more than {limit} bytes ({MAX_INFLATION}x its size), "
+                "more than any delta compresses; it is not a delta written by symbiont"
+            )
     try:
         return load_safetensors(payload)
     except Exception as err:  # safetensors raises its own error types for bad bytes

@@ -143,6 +143,8 @@ class PackedLayer:
                 )
         if int(self.zero.max()) >= 2**self.bits:
             raise DeltaFormatError(f"{where}: zero point outside the {self.bits}-bit range")
+        if not bool(torch.isfinite(self.scale).all()):
+            raise DeltaFormatError(f"{where}: a scale is NaN or infinite; re-compress the delta")
         if self.two_four:
             self._validate_mask(where)
 

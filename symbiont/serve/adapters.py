@@ -473,6 +473,11 @@ class AdapterRegistry:
         """Whether `module_name` is a base layer adapters (and deltas) are applied in."""
         return module_name in self._base
 
+    def base_shape(self, module_name: str) -> tuple[int, int] | None:
+        """[out, in] of a servable base layer, None for any other name."""
+        module = self._base.get(module_name)
+        return None if module is None else (_out(module), _in(module))
+
     def names(self) -> list[str]:
         """Adapters loaded by name (`--adapter`, POST /v1/adapters), not the cache's."""
         return sorted(n for n in self._by_name if not n.startswith(CACHED_PREFIX))

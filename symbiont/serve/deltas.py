@@ -107,14 +107,16 @@ class DeltaServer:
         """Check a delta folder's manifest against this base and model without reading its
         data (what an `--adapter-dir` scan runs); -> bytes of its data file."""
         try:
-            manifest = read_manifest(folder)
+            manifest = read_manifest(folder)  # names, shapes and sizes of the right types
             check_base(manifest, self._checkpoint(), full=False)
-            modules = dict(self.model.named_modules())
             for entry in manifest["layers"]:
-                self._check_layer(modules, entry.get("name"), tuple(entry.get("shape", ())))
+                self._check_layer(entry["name"], tuple(entry["shape"]))
+            params = dict(self.model.named_parameters())
+            for entry in manifest["params"]:
+                self._check_param(params, entry["name"], tuple(entry["shape"]))
         except (DeltaFormatError, ValueError, OSError) as err:
             raise AdapterError(f"delta {folder} is refused: {err}") from err
-        return sum(int(meta.get("bytes", 0)) for meta in manifest["files"].values())
+        return sum(meta["bytes"] for meta in manifest["files"].values())
 
     def parse(
         self, folder: str | os.PathLike, mode: DeltaMode, base: str | os.PathLike | None = None
@@ -131,19 +133,38 @@ class DeltaServer:
     def _checkpoint(self) -> Checkpoint:
         return Checkpoint.open(self.base)
 
-    def _check_layer(self, modules: dict, name, shape: tuple) -> None:
-        module = modules.get(name)
-        width = getattr(module, "weight", None)
-        if module is None or (width is not None and tuple(width.shape) != shape):
+    def _check_layer(self, name: str, shape: tuple) -> None:
+        """A packed layer's delta must be one of the base layers the engine applies
+        adapters in (or the output layer), with its [out, in] shape."""
+        if self._base_shape(name) != shape:
             raise DeltaFormatError(
-                f"layer {name} of the delta is not a layer of this model with shape "
+                f"layer {name} of the delta is not a linear layer of this model with shape "
                 f"{list(shape)}; the delta belongs to another model"
             )
 
+    def _check_param(self, params: dict, name: str, shape: tuple) -> None:
+        """A parameter's delta must be a weight or bias of a base layer, or a parameter
+        the client holds (norms, embeddings), with the parameter's shape."""
+        owner, _, leaf = name.rpartition(".")
+        want = None
+        layer = self._base_shape(owner)
+        if layer is not None:
+            want = {"weight": layer, "bias": layer[:1]}.get(leaf)
+        elif name in params:
+            want = tuple(params[name].shape)
+        if want != shape:
+            got = "missing" if want is None else list(want)
+            raise DeltaFormatError(
+                f"parameter {name} is {got} in this model, {list(shape)} in the delta; the "
+                "delta belongs to another model"
+            )
+
     def _check(self, delta: CompressedDelta) -> None:
-        modules = dict(self.model.named_modules())
         for name, layer in delta.layers.items():
-            self._check_layer(modules, name, layer.shape)
+            self._check_layer(name, layer.shape)
+        params = dict(self.model.named_parameters())
+        for name, param in delta.params.items():
+            self._check_param(params, name, param.shape)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         embed = self.model.get_input_embeddings()
         embed_names = {f"{n}.weight" for n, m in self.model.named_modules() if m is embed}
@@ -189,6 +210,13 @@ class DeltaServer:
 
     def _is_base_layer(self, name: str) -> bool:
         return name == self._head_name or self.registry.servable(name)
+
+    def _base_shape(self, name: str) -> tuple[int, ...] | None:
+        """[out, in] of a base layer (or the output layer) named `name`, else None."""
+        if name == self._head_name:
+            weight = getattr(self._head, "weight", None)
+            return tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        return self.registry.base_shape(name)
 
     # -- slots (engine thread) ----------------------------------------------------------
 
@@ -253,16 +281,22 @@ class DeltaServer:
             return output
         slots = ctx.adapters.token_slots  # [n_tokens]
         x = args[0]
-        if x.shape[1] != slots.shape[0]:
-            raise RuntimeError(f"{module_name} saw {x.shape[1]} tokens, the batch has {slots}")
+        # tokens on axis 1 of [1, n_tokens, ...]; token ids alone ([n_tokens]: the embedding
+        # when virtual tokens are put in, model_runner.py) have them on axis 0
+        axis = 0 if x.dim() == 1 else 1
+        if x.shape[axis] != slots.shape[0]:
+            raise RuntimeError(
+                f"{module_name} saw {x.shape[axis]} tokens, the batch has {slots.shape[0]}"
+            )
         for slot, weights in self.by_slot.items():
             merged = weights.params.get(module_name)
             rows = (slots == slot).nonzero().flatten() if merged else None
             if rows is None or not rows.numel():
                 continue
+            at = (slice(None),) * axis + (rows,)
             self._rerunning = True
             try:
-                output[:, rows] = functional_call(module, merged, (x[:, rows], *args[1:]), kwargs)
+                output[at] = functional_call(module, merged, (x[at], *args[1:]), kwargs)
             finally:
                 self._rerunning = False
         return output
