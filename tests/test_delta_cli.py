@@ -132,6 +132,20 @@ def test_cli_refusals_say_why(compressed, capsys, tmp_path, checkpoints):
     code, _, stderr = run(capsys, "delta", "info", str(out))
     assert code == 1 and "truncated or was modified" in stderr
 
+    code, _, stderr = run(
+        capsys, "delta", "compress", "--base", str(base), "--model", str(finetuned),
+        "--out", str(tmp_path / "y"), "--calib-seq-len", "1000000",
+    )  # fmt: skip
+    assert code == 1 and "--calib-seq-len 1000000 is longer than the model's" in stderr
+    assert "Traceback" not in stderr and not (tmp_path / "y").exists()
+
+    sizeless = shutil.copytree(delta, tmp_path / "sizeless")
+    record = json.loads((sizeless / "manifest.json").read_text())
+    del record["sizes"]
+    (sizeless / "manifest.json").write_text(json.dumps(record))
+    code, _, stderr = run(capsys, "delta", "info", str(sizeless))
+    assert code == 1 and "manifest.json lacks 'sizes'" in stderr and "Traceback" not in stderr
+
     with pytest.raises(SystemExit) as exit_info:
         main(["delta", "compress", "--base", "b", "--model", "m", "--out", "o", "--bits", "3"])
     assert exit_info.value.code == 2

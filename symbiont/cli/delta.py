@@ -127,6 +127,7 @@ def run_compress(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    _check_positions(base, config.calib_seq_len)
     tokenizer = _tokenizer(finetuned, base)
     calibration = tokenize_calibration(
         tokenizer, args.calib, config.calib_samples, config.calib_seq_len
@@ -194,8 +195,34 @@ def run_info(args) -> int:
     return 0
 
 
+def _check_positions(base, seq_len: int) -> None:
+    """Calibration windows must fit the model's positions (else its embedding fails)."""
+    from symbiont.model.checkpoint import Checkpoint
+
+    config = Checkpoint.open(base).config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"--calib-seq-len {seq_len} is longer than the model's {limit} positions; "
+            f"give --calib-seq-len {limit} or less"
+        )
+
+
 def render_info(folder: Path, manifest: dict, *, layers: bool = True) -> str:
     """Human-readable summary: base, format, sizes and ratios, then one line per layer."""
+    try:
+        return _render_info(folder, manifest, layers)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+        from symbiont.delta.format import MANIFEST, DeltaFormatError
+
+        why = f"lacks {err}" if isinstance(err, KeyError) else f"has a malformed field ({err})"
+        raise DeltaFormatError(
+            f"{Path(folder) / MANIFEST} {why}; it was not written by `symbiont delta "
+            "compress` as is, re-compress the delta"
+        ) from err
+
+
+def _render_info(folder: Path, manifest: dict, layers: bool) -> str:
     sizes = manifest["sizes"]
     on_disk = sum(f["bytes"] for f in manifest["files"].values())
     packed = sizes["linear_packed_bytes"] + sizes["params_bytes"]
