@@ -564,3 +564,19 @@ def test_refuses_non_finite_or_out_of_range_fine_tunes(pair, tmp_path, where, va
     with pytest.raises(ValueError, match=f"{re.escape(where)}.*{message}"):
         compress(base, broken, tmp_path / "out", calibration, CompressConfig(group_size=16))
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_fine_tune_whose_config_changed(pair, tmp_path):
+    """A context-extension fine-tune (another rope_theta) compressed silently, and merging
+    served it with the base's config: the fine-tune's weights, the base's positions."""
+    base, finetuned, _, calibration, _ = pair
+    changed = shutil.copytree(finetuned, tmp_path / "changed")
+    record = json.loads((changed / "config.json").read_text())
+    record.setdefault("rope_parameters", {})["rope_theta"] = 10.0
+    record["rope_theta"] = 10.0
+    record["transformers_version"] = "0.0.0"  # noise: never named
+    (changed / "config.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="changes its config.*rope") as caught:
+        compress(base, changed, tmp_path / "out", calibration, CompressConfig(group_size=16))
+    assert "transformers_version" not in str(caught.value)
+    assert not (tmp_path / "out").exists()

@@ -134,6 +134,33 @@ def check_same_shapes(base: Checkpoint, finetuned: Checkpoint, model: nn.Module)
                 f"{theirs.get(name)} in --base {base.path}; the models' shapes differ, so "
                 "one is not a fine-tune of the other (was the vocabulary resized?)"
             )
+    changed = _config_changes(base.config, finetuned.config)
+    if changed:
+        raise CheckpointError(
+            f"--model {finetuned.path} changes its config against --base {base.path} "
+            f"({', '.join(changed[:8])}); a delta stores weights only, so merging or serving "
+            "it would run the fine-tune with the base's config: use the base's values in the "
+            "fine-tune's config.json if they are what it was trained with, else serve the "
+            "fine-tune as a checkpoint of its own"
+        )
+
+
+# config keys a fine-tune may change without changing what its weights compute
+_CONFIG_NOISE = {
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "architectures", "pad_token_id", "bos_token_id", "eos_token_id", "output_attentions",
+    "output_hidden_states", "return_dict", "_attn_implementation_autoset",
+}  # fmt: skip
+
+
+def _config_changes(base, finetuned) -> list[str]:
+    """'key: base -> fine-tune' for every config value the fine-tune changed."""
+    ours, theirs = base.to_dict(), finetuned.to_dict()
+    return [
+        f"{key}: {ours.get(key)!r} -> {theirs.get(key)!r}"
+        for key in sorted(set(ours) | set(theirs))
+        if key not in _CONFIG_NOISE and ours.get(key) != theirs.get(key)
+    ]
 
 
 def _sizes(model: nn.Module, layers: list[PackedLayer], params: list[ParamDelta]) -> dict:
