@@ -510,3 +510,15 @@ def test_a_delta_changing_embeddings_shares_a_batch_with_prompt_tuning(served, t
             reference.generate(prompt, name, GREEDY.max_tokens)
         )  # fmt: skip
         assert got == ref, name
+
+
+def test_a_delta_changing_experts_is_refused_by_name(checkpoints, tmp_path):
+    """An MoE's experts stay on the executor: a delta changing them is refused with a
+    delta's reason (it was refused with LoRA's message)."""
+    base = checkpoints("granitemoe")
+    delta_dir = compressed_pair(base, tmp_path)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), SMALL)
+    with pytest.raises(AdapterError, match="experts of a mixture-of-experts.*delta merge"):
+        engine.load_delta("ft", delta_dir, base)
+    assert engine.adapters.names() == []
+    assert engine.generate([[5, 6, 7]], [None], GREEDY), "the engine keeps serving"

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from symbiont.client.virt import BaseWeightUnavailable
 from symbiont.delta import DeltaFormatError, delta_product, load_delta
 from symbiont.delta.format import MANIFEST, CompressedDelta, read_manifest
 from symbiont.delta.identity import check_base
@@ -199,8 +200,16 @@ class DeltaServer:
             if owner in owners and self._is_base_layer(owner):
                 layer_terms.setdefault(owner, []).append((leaf, param.delta.to(dtype)))
             elif name in params:
-                with torch.no_grad():
-                    merged = param.apply_to(params[name].detach())
+                try:
+                    with torch.no_grad():
+                        merged = param.apply_to(params[name].detach())
+                except BaseWeightUnavailable as err:  # an MoE's experts, on the executor
+                    raise DeltaFormatError(
+                        f"it changes {name}, a weight that stays on the base executor (the "
+                        "experts of a mixture-of-experts layer); serving that per request is "
+                        "not supported: run `symbiont delta merge` and serve the merged "
+                        "checkpoint"
+                    ) from err
                 modules.setdefault(owner, {})[leaf] = merged
             else:
                 raise DeltaFormatError(f"parameter {name} of the delta is not in this model")
