@@ -108,11 +108,14 @@ def compress(
 
 
 def _check_supported(model: nn.Module) -> None:
-    conv = [n for n, m in model.named_modules() if is_base_layer(m) and type(m) is not nn.Linear]
-    if conv:
+    other = [
+        (n, m) for n, m in model.named_modules() if is_base_layer(m) and type(m) is not nn.Linear
+    ]
+    if other:
+        name, module = other[0]
         raise CheckpointError(
-            f"{type(model).__name__} projects with GPT-2 style Conv1D layers ({conv[0]}, ...); "
-            "symbiont delta compresses nn.Linear layers only"
+            f"{type(model).__name__} projects with {type(module).__name__} layers ({name}, "
+            "...); symbiont delta compresses plain nn.Linear layers only"
         )
 
 
