@@ -396,8 +396,9 @@ def test_calibration_windows_spread_and_refuse_short_text(tmp_path):
     data.write_text(
         '{"text": "a"}\n{"prompt": "b", "completion": "c"}\n'
         '{"messages": [{"role": "user", "content": "d"}, {"role": "assistant", "content": "e"}]}\n'
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "f"}]}]}\n'
     )
-    assert read_texts(data) == ["a", "bc", "d\ne"]
+    assert read_texts(data) == ["a", "bc", "d\ne", "f"]  # OpenAI's parts: their text
     data.write_text('{"other": 1}\n')
     with pytest.raises(ValueError, match="c.jsonl:1 has none of 'text'"):
         read_texts(data)

@@ -45,9 +45,22 @@ def _record_text(line: str, file: Path, number: int) -> str:
             return record["prompt"] + record["completion"]
         if isinstance(record.get("messages"), list):
             return "\n".join(
-                str(m.get("content", "")) for m in record["messages"] if isinstance(m, dict)
+                _content_text(m.get("content")) for m in record["messages"] if isinstance(m, dict)
             )
     raise ValueError(f"{file}:{number} has none of 'text', 'prompt'+'completion' or 'messages'")
+
+
+def _content_text(content) -> str:
+    """A chat message's text: a string, or OpenAI's list of parts (their text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
 
 
 def calibration_windows(ids: list[int], samples: int, seq_len: int) -> torch.Tensor:
