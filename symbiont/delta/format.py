@@ -249,14 +249,15 @@ def _read_verified_tensors(path: Path, files: dict) -> dict[str, torch.Tensor]:
             f"{file} has {size} bytes, the manifest says {meta.get('bytes')}: the file is "
             "truncated or was modified; copy the delta folder again"
         )
-    digest = file_sha256(file)
-    if digest != meta.get("sha256"):
+    with open(file, "rb") as handle:  # read once: the bytes hashed are the bytes parsed
+        payload = handle.read(size + 1)
+    digest = hashlib.sha256(payload).hexdigest()
+    if len(payload) != size or digest != meta.get("sha256"):
         raise DeltaFormatError(
             f"{file} has sha256 {digest[:16]}..., the manifest says "
             f"{str(meta.get('sha256'))[:16]}...: the file was tampered with or corrupted; "
             "copy the delta folder again"
         )
-    payload = file.read_bytes()
     if name.endswith(ZSTD_SUFFIX):
         import zstandard
 
