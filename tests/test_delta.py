@@ -581,3 +581,17 @@ def test_refuses_a_fine_tune_whose_config_changed(pair, tmp_path):
         compress(base, changed, tmp_path / "out", calibration, CompressConfig(group_size=16))
     assert "transformers_version" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_embedding_rows_listed_twice(pair, tmp_path):
+    """`merged[rows] += delta` applies one of two deltas of a repeated row: refused."""
+    copy = copy_delta(pair[2], tmp_path)
+    name = "model.embed_tokens.weight.rows"
+
+    def repeat_a_row(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name][1] = tensors[name][0]
+
+    rewrite(copy, edit_tensors=repeat_a_row)
+    with pytest.raises(DeltaFormatError, match="model.embed_tokens.weight: stored tensors"):
+        load_delta(copy)

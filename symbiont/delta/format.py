@@ -87,6 +87,7 @@ class ParamDelta:
                 and self.rows.dtype == torch.int64
                 and tuple(self.delta.shape) == (self.rows.numel(), self.shape[1])
                 and bool(((self.rows >= 0) & (self.rows < self.shape[0])).all())
+                and self.rows.unique().numel() == self.rows.numel()  # each row once
             )
         else:
             raise DeltaFormatError(f"{where}: unknown kind {self.kind!r}; re-compress the delta")
