@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -144,8 +145,8 @@ def merge_checkpoint(
     check_base(delta.manifest, checkpoint, full=True)
     model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype="auto")
     merge_into(model, delta)
-    staging = out.parent / f".{out.name}.merging"
-    shutil.rmtree(staging, ignore_errors=True)
+    # a name of its own: a second merge to the same --out must not write into this one
+    staging = out.parent / f".{out.name}.merging-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(staging, safe_serialization=True)
         _copy_side_files(checkpoint.path, staging)
