@@ -139,6 +139,14 @@ def test_cli_refusals_say_why(compressed, capsys, tmp_path, checkpoints):
     assert code == 1 and "--calib-seq-len 1000000 is longer than the model's" in stderr
     assert "Traceback" not in stderr and not (tmp_path / "y").exists()
 
+    (tmp_path / "a-file").write_text("")
+    code, _, stderr = run(
+        capsys, "delta", "compress", "--base", str(base), "--model", str(finetuned),
+        "--out", str(tmp_path / "a-file" / "delta"), *args,
+    )  # fmt: skip
+    assert code == 1 and "a-file is not a folder this user can write in" in stderr
+    assert "relative output error" not in stderr, "refused before compressing anything"
+
     sizeless = shutil.copytree(delta, tmp_path / "sizeless")
     record = json.loads((sizeless / "manifest.json").read_text())
     del record["sizes"]

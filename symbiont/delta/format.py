@@ -163,8 +163,14 @@ def write_delta(
 
 
 def check_output_folder(out: Path) -> None:
+    """Refuse an --out that cannot take the result, before any long work starts."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty folder; choose a new path")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise ValueError(
+            f"--out {out}: {parent} is not a folder this user can write in; choose another path"
+        )
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:
