@@ -285,3 +285,23 @@ def test_a_mixture_of_experts_base_is_refused(checkpoints):
     executor = BaseExecutor.from_pretrained(path)
     with pytest.raises(ValueError, match="do not cover mixture-of-experts layers yet"):
         symbiont.load_client(path, executor, mask_activations="pool")
+
+
+def test_shares_through_one_serve_base_are_refused(qwen2_with_tokenizer):
+    """Shares hide x only from parties that see one share each: one serve-base reached
+    through one URL twice, or through its TCP and IPC endpoints, saw x + r and -r."""
+    path = qwen2_with_tokenizer
+    with ServerProcess(path, args=("--threads", "1")) as server:  # tcp:// and ipc://
+        tcp, ipc = server.url("tcp"), server.url("ipc")
+        for urls in ((tcp, tcp), (tcp, ipc)):
+            with pytest.raises(ValueError, match="the same executor twice"):
+                open_executor(path, urls, mask_activations="shares")
+        one = symbiont.connect(tcp, checkpoint=path)
+        try:
+            with pytest.raises(ValueError, match="the same executor twice"):
+                symbiont.load_client(path, (one, one), mask_activations="shares")
+        finally:
+            one.close()
+    base = BaseExecutor.from_pretrained(path)
+    with pytest.raises(ValueError, match="the same executor twice"):
+        symbiont.load_client(path, (base, base), mask_activations="shares")

@@ -56,6 +56,7 @@ GOOD = {  # a plausible value per field name, so that one bad field is tried at 
     "manifest": {},
     "max_call_bytes": 1,
     "shm": False,
+    "instance": "0123456789abcdef",
     "op": 1,
     "layer": 0,
     "rows": 2,

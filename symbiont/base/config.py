@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -55,10 +56,10 @@ class BatchingPolicy:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PolicyKind(self.kind))
-        if self.max_wait_s < 0 or self.wait_per_token_s < 0:
-            raise ValueError("BatchingPolicy waits must be >= 0 seconds")
+        _check_range("--max-wait-ms", self.max_wait_s * 1e3, 0, MAX_WAIT_S * 1e3)
+        _check_range("--wait-per-token-us", self.wait_per_token_s * 1e6, 0, MAX_WAIT_S * 1e6)
         if self.max_batch_tokens < 1:
-            raise ValueError("BatchingPolicy.max_batch_tokens must be >= 1")
+            raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
 
     def wait_for(self, tokens: int) -> float:
         """How long a call of `tokens` tokens may wait for company, in seconds."""
@@ -147,11 +148,20 @@ class ServiceConfig:
                 "--allow-unauthenticated to serve anyone who reaches it"
             )
         if self.max_call_bytes < 1:
-            raise ValueError("ServiceConfig.max_call_bytes must be positive")
-        if self.max_sessions < 1 or self.new_session_timeout_s <= 0:
-            raise ValueError(
-                "ServiceConfig.max_sessions must be >= 1 and new_session_timeout_s > 0 seconds"
-            )
+            raise ValueError(f"--max-call-mb must be positive, got {self.max_call_bytes / 2**20:g}")
+        if self.max_sessions < 1:
+            raise ValueError(f"--max-sessions must be >= 1, got {self.max_sessions}")
+        _check_range("--new-session-timeout-s", self.new_session_timeout_s, 1e-3, 86400)
+        _check_range("--spin-us", self.spin_us, 0, MAX_WAIT_S * 1e6)
+
+
+MAX_WAIT_S = 60.0  # no batching wait or spin beyond a minute makes sense
+
+
+def _check_range(flag: str, value: float, low: float, high: float) -> None:
+    """A finite number in [low, high], else an error naming the flag."""
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{flag} must be a number in [{low:g}, {high:g}], got {value:g}")
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -215,6 +225,9 @@ class BaseProcessConfig:
     def __post_init__(self):
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        from symbiont.util.device import check_device
+
+        check_device(self.device)
 
     @property
     def num_threads(self) -> int | None:

@@ -22,6 +22,7 @@ import hmac
 import logging
 import os
 import queue
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class ExecutorServer:
         self.executor = executor
         self.config = config
         self.manifest = executor.manifest
+        self.instance = secrets.token_hex(8)  # tells clients which URLs reach this process
         self.sessions: dict[bytes, Session] = {}
         # Queue keys: linear layers by id, then experts stacks (n_linear + experts id).
         self.n_linear = len(self.manifest.layers)
@@ -350,6 +352,7 @@ class ExecutorServer:
             manifest=self._welcome,
             max_call_bytes=self.config.max_call_bytes,
             shm=self.config.allow_shm,
+            instance=self.instance,
         )
         self._send(key, encode(welcome))
 

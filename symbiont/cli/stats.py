@@ -22,8 +22,8 @@ class StatsQuery:
     timeout: float = field(default=5.0, metadata={"help": "seconds to wait for an answer"})
 
     def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 < self.timeout <= 3600:  # also false for NaN
+            raise ValueError(f"--timeout must be in (0, 3600] seconds, got {self.timeout}")
 
 
 def register(subparsers) -> None:

@@ -124,6 +124,8 @@ def mask_executors(
             "mask_activations='shares'), or on the command line --executor URL_A "
             "--executor URL_B"
         )
+    if config.mode is MaskMode.SHARES:
+        _check_two_parties(pair)
     manifest = _common_manifest(pair)
     if getattr(manifest, "experts", ()):
         raise ValueError(
@@ -145,6 +147,24 @@ def mask_executors(
             pair[0], config, _pool_tables(checkpoint, manifest, config, device)
         )
     return SharesExecutor(pair, config, _biases(checkpoint, manifest, device))
+
+
+def _check_two_parties(pair: tuple[Executor, ...]) -> None:
+    """Shares hide x only from parties that each see one share: the same executor twice
+    (one object, one URL, or two endpoints of one serve-base) sees both, so x + r - r."""
+    a, b = pair
+    same = a is b
+    if getattr(a, "url", None) is not None and getattr(a, "url", None) == getattr(b, "url", None):
+        same = True
+    instance = getattr(a, "instance", None)
+    if instance is not None and instance == getattr(b, "instance", None):
+        same = True
+    if same:
+        raise ValueError(
+            "mask_activations='shares' was given the same executor twice (one serve-base "
+            "process, reached through both URLs): it would see both shares and so the "
+            "activations; give two serve-base run by parties that do not collude"
+        )
 
 
 def _as_tuple(executors) -> tuple[Executor, ...]:

@@ -320,6 +320,7 @@ class RemoteExecutor(Executor):
         self._widest = max(max(s.in_features, s.out_features) for s in manifest.layers)
         self._server_shm = welcome.shm
         self._max_call_bytes = welcome.max_call_bytes
+        self.instance = welcome.instance  # the serve-base process behind this URL
 
     def _attach_shm(self, capacity: int | None = None) -> None:
         """Ask for a segment of `capacity` bytes per area (default: `shm_tokens` tokens of

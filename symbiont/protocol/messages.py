@@ -165,6 +165,9 @@ class Welcome:
     manifest: dict = wire(mapping(), "Manifest.to_dict(): fingerprint, dtype, layers")
     max_call_bytes: int = wire(integer(1, MAX_ID), "largest x or y of one call, bytes")
     shm: bool = wire(flag(), "whether shared memory is accepted")
+    instance: str | None = wire(
+        text(64, optional=True), "random id of the serve-base process", default=None
+    )  # two URLs reaching one process share it (masked shares must not)
 
 
 @dataclass(frozen=True)

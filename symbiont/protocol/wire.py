@@ -10,7 +10,7 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 | kind | fields (`?`: optional) | tensor frame | from -> to |
 |---|---|---|---|
 | 1 HELLO | call_id, protocol, token?, fingerprint?, pid?, host?, label? |  | client -> executor |
-| 2 WELCOME | call_id, manifest, max_call_bytes, shm |  | executor -> client |
+| 2 WELCOME | call_id, manifest, max_call_bytes, shm, instance? |  | executor -> client |
 | 3 CALL | call_id, op, layer, rows, cols, dtype, fused?, top_k?, weights_dtype? | x `[rows, cols]`, or packed experts tensors (none if sent in DATA parts) | client -> executor |
 | 4 RESULT | call_id, rows, cols | y `[rows, cols]`, or packed experts tensors | executor -> client |
 | 5 ERROR | call_id, code, message |  | executor -> client |

@@ -352,6 +352,9 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        from symbiont.util.device import check_device
+
+        check_device(self.device)
         names = [entry[0] for entry in self.adapters + self.deltas]
         if len(set(names)) != len(names):
             raise ValueError(f"adapter and delta names must be unique, got {names}")
