@@ -132,18 +132,23 @@ def run(args) -> int:
     from symbiont.cli.flags import resolve_model
     from symbiont.decoding import chat_prompt, generate
     from symbiont.tenant import open_client, open_executor, set_threads
+    from symbiont.util.device import check_device
 
     set_threads(args.threads)
     args.model = resolve_model(args.model)
     settings = settings_from(args)
     text = _read_prompt(args)
-    executor = open_executor(
-        args.model, args.executor, dtype=args.dtype, mask_activations=args.mask_activations
+    device = args.device or "cpu"
+    check_device(device)
+    executor = open_executor(  # an in-process base on the client's device, as the client
+        args.model,
+        args.executor,
+        device=device,
+        dtype=args.dtype,
+        mask_activations=args.mask_activations,
     )
     try:
-        model, tokenizer = open_client(
-            args.model, executor, device=args.device or "cpu", dtype=args.dtype
-        )
+        model, tokenizer = open_client(args.model, executor, device=device, dtype=args.dtype)
         if args.adapter:
             model = load_adapter(model, args.adapter)
         prompt = chat_prompt(tokenizer, text) if args.chat else tokenizer(text)["input_ids"]

@@ -1,0 +1,59 @@
+"""Flags that parse but make no sense are refused by name before anything loads (each of
+these once crashed a running serve-base, or ended in a traceback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symbiont
+from symbiont.cli import main
+
+DEFAULT = str(symbiont.default_model())
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """What the command printed on stderr; it must end with a usage error (2) or an
+    error (1), never with a traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's error(): flags that make no config
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code in (1, 2) and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--max-wait-ms", "inf"),  # serve-base died of OverflowError once two clients met
+        ("--max-wait-ms", "nan"),
+        ("--max-wait-ms", "-5"),
+        ("--wait-per-token-us", "inf"),
+        ("--spin-us", "nan"),
+        ("--spin-us", "-5"),
+    ],
+)
+def test_serve_base_refuses_waits_that_are_not_finite(capsys, flag, value):
+    err = refused(capsys, ["serve-base", "--model", DEFAULT, flag, value])
+    assert f"{flag} must be a number in [0, " in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_stats_refuses_a_timeout_it_cannot_wait(capsys, value):
+    err = refused(capsys, ["stats", "tcp://127.0.0.1:1", "--timeout", value])
+    assert "--timeout must be in (0, 3600] seconds" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+@pytest.mark.parametrize("command", ["generate", "serve-base"])
+def test_a_cuda_device_without_cuda_is_refused_by_name(capsys, command):
+    argv = [command, "--model", DEFAULT, "--device", "cuda"]
+    err = refused(capsys, argv + (["--prompt", "hi"] if command == "generate" else []))
+    assert "--device cuda: this torch build or machine has no CUDA GPU" in err
+
+
+def test_a_device_that_is_no_device_is_refused(capsys):
+    err = refused(capsys, ["generate", "--model", DEFAULT, "--prompt", "hi", "--device", "bogus"])
+    assert "--device 'bogus' is not a device name" in err
