@@ -164,6 +164,19 @@ def test_finetune_refuses_an_existing_run_without_resume_or_overwrite(tmp_path, 
         main(["finetune", "--model", "m", "--data", "d", "--out", str(out), "--resume", "--overwrite"])  # fmt: skip
 
 
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, capsys):
+    """--overwrite removed the earlier run before reading --data: a typo cost it."""
+    out = tmp_path / "run"
+    (out / "checkpoint-000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "adapter_model.safetensors").write_bytes(b"earlier")
+    argv = ["finetune", "--model", "default", "--data", str(tmp_path / "missing.jsonl")]
+    assert main([*argv, "--out", str(out), "--overwrite", "--no-progress"]) == 1
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    assert (out / "adapter_model.safetensors").read_bytes() == b"earlier"
+    assert (out / "checkpoint-000002").is_dir() and (out / "metrics.jsonl").exists()
+
+
 # Flags named in the docs: on a shell line `symbiont CMD ... --flag`, CMD must have the
 # flag; in prose, the page's command or one named earlier in the section must have it.
 # Lines running other programs (pytest, benchmarks) are skipped.

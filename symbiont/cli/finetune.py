@@ -168,26 +168,32 @@ def peft_config(args, total_steps: int):
 
 
 def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to train over an earlier run in `out` unless asked to resume or replace it."""
+    """Refuse to train over an earlier run in `out` unless asked to resume or replace it;
+    with --overwrite, remove it (call once the new run's inputs have loaded)."""
+    for path in earlier_run(out, resume=resume, overwrite=overwrite):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def earlier_run(out: Path, *, resume: bool, overwrite: bool) -> list[Path]:
+    """The files of an earlier run in `out` that --overwrite replaces; refuses without
+    --resume or --overwrite."""
     from symbiont.train.checkpoints import ADAPTER_FILES, CHECKPOINT_PREFIX
     from symbiont.train.loop import METRICS_FILE, SUMMARY_FILE
 
     if resume or not out.is_dir():
-        return
+        return []
     files = [out / name for name in (*ADAPTER_FILES, METRICS_FILE, SUMMARY_FILE)]
     earlier = [p for p in files if p.exists()]
     earlier += sorted(p for p in out.glob(CHECKPOINT_PREFIX + "*") if p.is_dir())
     if not earlier:
-        return
+        return []
     if not overwrite:
         raise FlagError(
             f"--out {out} already holds a run ({', '.join(p.name for p in earlier[:3])}"
             f"{', ...' if len(earlier) > 3 else ''}): pass --resume to continue it, "
             "--overwrite to replace it, or choose another --out"
         )
-    log.info("--overwrite: removing the earlier run in %s", out)
-    for path in earlier:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return earlier
 
 
 def run(args) -> int:
@@ -199,7 +205,9 @@ def run(args) -> int:
     from symbiont.train import load_examples, pad_id, train
 
     config = train_config(args)
-    prepare_out(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    # refused now, removed only once the new run's model, data and adapter have loaded:
+    # a typo in --data must not cost the earlier run
+    earlier_run(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     set_threads(args.threads)
     model_dir = resolve_model(args.model)
     executor = open_executor(
@@ -219,6 +227,9 @@ def run(args) -> int:
             len(examples), len(evals), model.peft_config["default"].peft_type.value,
             trainable, config.total_steps(len(examples)),
         )  # fmt: skip
+        if args.overwrite and earlier_run(Path(args.out), resume=args.resume, overwrite=True):
+            log.info("--overwrite: removing the earlier run in %s", args.out)
+            prepare_out(Path(args.out), resume=args.resume, overwrite=True)
         result = train(
             model,
             examples,
