@@ -147,6 +147,28 @@ def test_resuming_a_finished_run_keeps_its_summary(model_dir, executor, examples
     assert all(torch.equal(adapter[k], v) for k, v in adapter_tensors(tmp_path).items())
 
 
+def test_a_diverged_loss_stops_the_run_and_publishes_nothing(
+    model_dir, executor, examples, tmp_path, monkeypatch
+):
+    """A NaN loss used to train on and publish a NaN adapter with exit code 0."""
+    from symbiont.train import loop
+
+    step = loop._Run._optimizer_step
+    calls = []
+
+    def diverging(self):
+        loss, tokens = step(self)
+        calls.append(loss)
+        return (float("nan") if len(calls) == 3 else loss), tokens
+
+    monkeypatch.setattr(loop._Run, "_optimizer_step", diverging)
+    config = TrainConfig(max_steps=4, save_every=2)
+    with pytest.raises(loop.TrainingDiverged, match="step 3: the training loss is nan"):
+        run(client(model_dir, executor), examples, tmp_path, config=config)
+    assert not (tmp_path / "adapter_model.safetensors").exists(), "nothing published"
+    assert (tmp_path / "checkpoint-000002").is_dir(), "the steps before it are kept"
+
+
 class _Planted:
     """Unpickling this runs code: it writes a marker file."""
 

@@ -3,6 +3,7 @@ flags from this dataclass); `peft_config.build_peft_config` turns them into a PE
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from symbiont.adapters.names import METHODS
@@ -24,8 +25,10 @@ class AdapterFlags:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.r < 1 or self.virtual_tokens < 1:
             raise ValueError("r and virtual_tokens must be >= 1")
-        if not 0 <= self.dropout < 1:
+        if not 0 <= self.dropout < 1:  # also false for NaN
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.alpha is not None and not math.isfinite(self.alpha):
+            raise ValueError(f"alpha must be a finite number, got {self.alpha}")
         if self.alpha == 0:
             raise ValueError(
                 "alpha is 0: the adapter's scale is alpha / r, so it would change nothing; "

@@ -58,8 +58,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         non_negative = ("max_steps", "warmup_steps", "eval_every", "save_every")
         for name in non_negative + ("save_total_limit", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # also false for NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "max_grad_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:

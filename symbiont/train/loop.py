@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -37,13 +38,17 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "train_summary.json"  # the TrainResult of the last (part of a) run
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite: nothing is published."""
+
+
 @dataclass(frozen=True)
 class TrainResult:
     steps: int
     final_loss: float  # mean training loss of the last logged window
     eval_loss: float | None
     tokens: int  # non-padding training tokens processed in this process
-    seconds: float
+    seconds: float  # in optimizer steps (evaluation, checkpoints and saving left out)
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,29 +142,33 @@ class _Run:
     def loop(self, progress: bool, on_step) -> TrainResult:
         bar = _progress_bar(self.total, self.state.step, progress)
         self.model.train()
-        started, window_tokens, window_start, losses = (
-            time.perf_counter(),
-            0,
-            time.perf_counter(),
-            [],
-        )
+        # tokens/s counts the optimizer steps' time only: evaluation, checkpoints and the
+        # final save are not training throughput
+        window_tokens, window_seconds, train_seconds, losses = 0, 0.0, 0.0, []
         tokens_here, last_loss = 0, float("nan")
         while self.state.step < self.total:
+            started = time.perf_counter()
             loss, tokens = self._optimizer_step()
+            seconds = time.perf_counter() - started
             step = self.state.step + 1
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"step {step}: the training loss is {loss}; training diverged, so no "
+                    f"adapter is published. Lower --lr or set --max-grad-norm, and start "
+                    f"again (checkpoints in {self.out} hold the steps before it)"
+                )
             self.state = TrainState(step, self.state.tokens + tokens, self.state.config)
             losses.append(loss)
             window_tokens += tokens
             tokens_here += tokens
+            window_seconds += seconds
+            train_seconds += seconds
             if step % self.config.log_every == 0 or step == self.total:
-                now = time.perf_counter()
                 last_loss = sum(losses) / len(losses)
-                record = self._record(
-                    step, last_loss, window_tokens / max(now - window_start, 1e-9)
-                )
+                record = self._record(step, last_loss, window_tokens / max(window_seconds, 1e-9))
                 self._maybe_eval(step, record)
                 self._log(record, bar, on_step)
-                window_tokens, window_start, losses = 0, now, []
+                window_tokens, window_seconds, losses = 0, 0.0, []
             self._maybe_save(step)
             bar.update(1)
         bar.close()
@@ -167,8 +176,7 @@ class _Run:
         summary = self.out / SUMMARY_FILE
         if tokens_here == 0 and summary.is_file():  # --resume of a finished run: keep its
             return _read_summary(summary)  # summary, not one of no steps (a NaN loss)
-        seconds = time.perf_counter() - started
-        result = TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, seconds)
+        result = TrainResult(self.state.step, last_loss, self.eval_loss, tokens_here, train_seconds)
         _write_summary(summary, result)
         return result
 
