@@ -115,3 +115,11 @@ def test_saved_dataset_folder_is_read(tokenizer, tmp_path):
     records = read_records(tmp_path / "ds")
     assert [r.fields["completion"] for r in records] == [" a", " b"]
     assert len(tokenize_records(records, tokenizer, 64)) == 2
+
+
+def test_an_empty_saved_dataset_is_refused_by_name(tmp_path):
+    """datasets raised a bare IndexError (a traceback from `symbiont finetune`)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="empty: cannot read this saved dataset"):
+        read_records(tmp_path / "empty")

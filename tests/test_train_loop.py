@@ -169,6 +169,20 @@ def test_a_diverged_loss_stops_the_run_and_publishes_nothing(
     assert (tmp_path / "checkpoint-000002").is_dir(), "the steps before it are kept"
 
 
+def test_resume_after_a_kill_mid_metrics_line(model_dir, executor, examples, tmp_path):
+    """A kill while a metrics record was written left a torn last line, and every
+    --resume failed on it with a bare JSON error."""
+    config = TrainConfig(max_steps=4, save_every=2)
+    with pytest.raises(Interrupt):
+        run(client(model_dir, executor), examples, tmp_path, config=config, on_step=interrupt_at(3))
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a", encoding="utf-8") as handle:
+        handle.write('{"step": 4, "loss": 1.2')  # torn by the kill
+    result = run(client(model_dir, executor), examples, tmp_path, config=config, resume=True)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert result.steps == 4 and steps == [1, 2, 3, 4]
+
+
 class _Planted:
     """Unpickling this runs code: it writes a marker file."""
 

@@ -88,6 +88,11 @@ def _read_saved_dataset(path: Path) -> list[Record]:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as err:
         raise DataError(f"{path}: not a dataset saved with save_to_disk ({err})") from err
+    except Exception as err:  # noqa: BLE001 - datasets fails in its own ways on odd folders
+        raise DataError(
+            f"{path}: cannot read this saved dataset ({type(err).__name__}: {err}); an empty "
+            "or partly written dataset does this, save it again with save_to_disk"
+        ) from err
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(f"{path}: a DatasetDict without a 'train' split ({list(loaded)})")

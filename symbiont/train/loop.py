@@ -270,9 +270,19 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records past `step` (written by a run killed after its last checkpoint)."""
     if not path.is_file():
         return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = [line for line in lines if (n := _record_step(line)) is not None and n <= step]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _record_step(line: str) -> int | None:
+    """A metrics line's step; None for a line torn by a kill mid-write (dropped)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
