@@ -325,3 +325,12 @@ def test_pad_id_falls_back_to_eos(model_dir):
     assert pad_id(tokenizer) == tokenizer.eos_token_id
     tokenizer.eos_token = None  # neither: token 0 (labels mask the padding anyway)
     assert pad_id(tokenizer) == 0
+
+
+def test_epochs_that_grad_accum_does_not_divide_are_refused():
+    """4 micro-batches an epoch with --grad-accum 3 trained 0.75 epoch for --epochs 1."""
+    config = TrainConfig(epochs=1, batch_size=2, grad_accum=3)
+    with pytest.raises(ValueError, match="--grad-accum 3 does not divide; pick .* dividing 4"):
+        config.total_steps(8)
+    assert TrainConfig(epochs=3, batch_size=2, grad_accum=3).total_steps(8) == 4
+    assert TrainConfig(epochs=1, batch_size=2, grad_accum=3, max_steps=5).total_steps(8) == 5

@@ -77,7 +77,16 @@ class TrainConfig:
         """Optimizer steps in the whole run."""
         if self.max_steps:
             return self.max_steps
-        return max(1, self.epochs * self.batches_per_epoch(n_examples) // self.grad_accum)
+        micro = self.epochs * self.batches_per_epoch(n_examples)
+        if micro % self.grad_accum:
+            # a step is grad_accum whole micro-batches: the run would end short of or past
+            # the epochs asked for (0.75 or 2 epochs for 1, say) without a word
+            raise ValueError(
+                f"--epochs {self.epochs} of {n_examples} examples is {micro} micro-batches of "
+                f"--batch-size {self.batch_size}, which --grad-accum {self.grad_accum} does "
+                f"not divide; pick a --grad-accum dividing {micro}, or give --max-steps"
+            )
+        return micro // self.grad_accum
 
     def as_record(self) -> dict:
         return asdict(self)
