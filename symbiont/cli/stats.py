@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from symbiont.cli.flags import add_flags, from_args
 
-HELP = "print live statistics of a running serve-base (clients, per-layer batching, tokens/s)"
+HELP = "print live statistics of a running serve-base (clients, per-layer batching, rows/s)"
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ def render(stats: dict) -> str:
     total = stats["total"]
     lines = [
         f"uptime {stats['uptime_s']:.0f} s, policy {stats['policy']['kind']}, "
-        f"{stats['tokens_per_s']:.1f} tokens/s (last 10 s), "
+        # summed over layer calls: a model pass counts each of its tokens once per layer
+        f"{stats['tokens_per_s']:.1f} layer-token rows/s (last 10 s), "
         f"{stats['refused']} refused, {stats['errors']} errors",
         f"all layers: {total['batches']} batches, mean batch {total['mean_batch_calls']:.2f} "
         f"calls / {total['mean_batch_tokens']:.1f} tokens, "
@@ -59,7 +60,7 @@ def render(stats: dict) -> str:
     for c in stats["clients"]:
         lines.append(
             f"  {c['label']:<24} {c['transport']:<4} pid {c['pid']:<7} on {c['host']}: "
-            f"{c['calls']} calls, {c['tokens']} tokens"
+            f"{c['calls']} calls, {c['tokens']} layer-token rows"
         )
     lines.append(f"{'layer':<40} {'batches':>8} {'calls/b':>8} {'tok/b':>8} {'wait ms':>8}")
     for name, e in stats["layers"].items():
