@@ -84,7 +84,11 @@ def test_any_peft_config_json_is_accepted(model_dir, data, tmp_path):
     peft.IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]).save_pretrained(tmp_path / "cfg")  # fmt: skip
     out = tmp_path / "run"
     args = finetune_args(model_dir, data, out, "--max-steps", "1")
-    assert main([*args, "--peft-config", str(tmp_path / "cfg" / "adapter_config.json")]) == 0
+    config = ["--peft-config", str(tmp_path / "cfg" / "adapter_config.json")]
+    with pytest.raises(SystemExit):  # --r and --target would be dropped without a word
+        main([*args, *config])
+    args = [a for a in args if a not in ("--target", "all-linear", "--r", "4")]
+    assert main([*args, *config]) == 0
     assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "IA3"
 
 

@@ -177,6 +177,24 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path,
     assert (out / "checkpoint-000002").is_dir() and (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "prefix", "--target", "q_proj", "--r", "64"], "--method prefix does not use --r, --target"),
+        (["--method", "loha", "--dropout", "0.5"], "--method loha does not use --dropout; leave it out"),
+        (["--method", "ia3", "--virtual-tokens", "4"], "--method ia3 does not use --virtual-tokens"),
+        (["--eval-every", "2"], "--eval-every evaluates on --eval-data FILE"),
+        (["--peft-config", "cfg.json", "--alpha", "3"], "--peft-config sets the whole adapter; leave out --alpha"),
+    ],
+)  # fmt: skip
+def test_flags_the_adapter_would_drop_are_refused(tmp_path, capsys, flags, message):
+    """They were accepted and silently did nothing."""
+    argv = ["finetune", "--model", "default", "--data", "d.jsonl", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, *flags])
+    assert done.value.code == 2 and message in capsys.readouterr().err
+
+
 # Flags named in the docs: on a shell line `symbiont CMD ... --flag`, CMD must have the
 # flag; in prose, the page's command or one named earlier in the section must have it.
 # Lines running other programs (pytest, benchmarks) are skipped.

@@ -459,6 +459,12 @@ def test_bad_job_requests_name_the_field(alice):
             "above this server's max_lora_rank (64)",
         ),
         (
+            {"extra_body": {"peft": {"method": "ia3", "dropout": 0.1}}},
+            400,
+            "peft.dropout",
+            "method 'ia3' does not use it; leave it out",
+        ),
+        (
             {"extra_body": {"peft": {"target_modules": ["nope"]}}},
             400,
             "peft.target_modules",

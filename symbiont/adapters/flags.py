@@ -8,6 +8,25 @@ from dataclasses import dataclass
 
 from symbiont.adapters.names import METHODS
 
+# The AdapterFlags fields each method reads (`peft_config._build`); a flag given for a
+# method that does not read it would be dropped without a word
+USES = {
+    "lora": {"r", "alpha", "dropout", "target"},
+    "dora": {"r", "alpha", "dropout", "target"},
+    "adalora": {"r", "alpha", "target"},
+    "ia3": {"target"},
+    "loha": {"r", "alpha", "target"},
+    "lokr": {"r", "alpha", "target"},
+    "vera": {"r", "target"},
+    "prefix": {"virtual_tokens"},
+    "prompt": {"virtual_tokens"},
+}
+
+
+def unused_by(method: str, given: set[str]) -> list[str]:
+    """The fields in `given` that `method` does not read, sorted."""
+    return sorted(given - USES.get(method, given))
+
 
 @dataclass(frozen=True)
 class AdapterFlags:

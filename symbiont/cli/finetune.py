@@ -155,16 +155,47 @@ def train_config(args):
     from symbiont.cli.flags import from_args
     from symbiont.train.config import TrainConfig
 
+    if args.eval_every and not args.eval_data:
+        raise FlagError(
+            "--eval-every evaluates on --eval-data FILE; give it, or leave out --eval-every"
+        )
     return from_args(TrainConfig, args)
 
 
-def peft_config(args, total_steps: int):
-    from symbiont.adapters import AdapterFlags, build_peft_config, load_peft_config
-    from symbiont.cli.flags import from_args
+ADAPTER_FIELDS = ("r", "alpha", "dropout", "target", "virtual_tokens")
 
+
+def adapter_flags(args):
+    """The adapter flags (None with --peft-config); refuses flags the method would drop."""
+    from symbiont.adapters import AdapterFlags
+    from symbiont.adapters.flags import unused_by
+    from symbiont.cli.flags import field_default, from_args
+
+    given = {  # a flag left out reads as its default (or None)
+        name
+        for name in ADAPTER_FIELDS
+        if getattr(args, name, None) not in (None, field_default(AdapterFlags, name))
+    }
     if args.peft_config:
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in sorted(given))
+            raise FlagError(f"--peft-config sets the whole adapter; leave out {flags}")
+        return None
+    flags = from_args(AdapterFlags, args)
+    unused = unused_by(flags.method, given)
+    if unused:
+        names = ", ".join("--" + name.replace("_", "-") for name in unused)
+        them = "it" if len(unused) == 1 else "them"
+        raise FlagError(f"--method {flags.method} does not use {names}; leave {them} out")
+    return flags
+
+
+def peft_config(args, flags, total_steps: int):
+    from symbiont.adapters import build_peft_config, load_peft_config
+
+    if flags is None:
         return load_peft_config(args.peft_config)
-    return build_peft_config(from_args(AdapterFlags, args), total_steps)
+    return build_peft_config(flags, total_steps)
 
 
 def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
@@ -205,6 +236,7 @@ def run(args) -> int:
     from symbiont.train import load_examples, pad_id, train
 
     config = train_config(args)
+    adapter = adapter_flags(args)
     # refused now, removed only once the new run's model, data and adapter have loaded:
     # a typo in --data must not cost the earlier run
     earlier_run(Path(args.out), resume=args.resume, overwrite=args.overwrite)
@@ -220,7 +252,9 @@ def run(args) -> int:
             load_examples(args.eval_data, tokenizer, config.max_length) if args.eval_data else []
         )
         torch.manual_seed(config.seed)  # adapter initialisation
-        model = peft.get_peft_model(model, peft_config(args, config.total_steps(len(examples))))
+        model = peft.get_peft_model(
+            model, peft_config(args, adapter, config.total_steps(len(examples)))
+        )
         trainable, total = model.get_nb_trainable_parameters()
         log.info(
             "%d training examples, %d eval; %s adapter with %d trainable parameters; %d steps",

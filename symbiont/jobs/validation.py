@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from symbiont.adapters.flags import AdapterFlags
+from symbiont.adapters.flags import AdapterFlags, unused_by
 from symbiont.adapters.names import JOB_METHODS, METHODS
 
 FILE_PURPOSE = "fine-tune"
@@ -346,6 +346,11 @@ def _peft(value) -> dict:
     dropout = value.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise invalid(f"peft.dropout: must be in [0, 1), got {dropout!r}", "peft.dropout")
+    named = {"r": "r", "alpha": "alpha", "dropout": "dropout", "target_modules": "target"}
+    unused = unused_by(method, {named[key] for key in named if key in value})
+    if unused:
+        key = next(k for k, field in named.items() if field == unused[0])
+        raise invalid(f"peft.{key}: method {method!r} does not use it; leave it out", f"peft.{key}")
     flags = {"method": method, "r": r, "alpha": alpha, "dropout": float(dropout)}
     flags["target"] = _targets(value.get("target_modules"))
     try:
