@@ -123,3 +123,16 @@ def test_an_empty_saved_dataset_is_refused_by_name(tmp_path):
     datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="empty: cannot read this saved dataset"):
         read_records(tmp_path / "empty")
+
+
+def test_bad_bytes_and_empty_files_are_named(tokenizer, tmp_path):
+    """A codec error named neither file nor line, and an empty --eval-data file was
+    reported as 'no usable training records' without its name."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "ok \xff"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8 \(byte 14 of the line\)"):
+        load_examples(bad, tokenizer, 64)
+    empty = tmp_path / "eval.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"eval.jsonl: no usable records"):
+        load_examples(empty, tokenizer, 64)

@@ -60,11 +60,17 @@ def read_records(path: str | os.PathLike) -> list[Record]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{where}: not UTF-8 (byte {err.start + 1} of the line); save the file as UTF-8"
+                ) from err
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 fields = json.loads(line)
             except json.JSONDecodeError as err:
@@ -115,7 +121,7 @@ def tokenize_records(records: Sequence[Record], tokenizer, max_length: int) -> l
             max_length,
         )
     if not kept:
-        raise DataError("no usable training records (all empty or truncated away)")
+        raise DataError("no usable records (all empty or truncated away)")
     return kept
 
 
@@ -231,5 +237,10 @@ def collate(examples: Sequence[Example], pad_token_id: int) -> dict[str, torch.T
 
 
 def load_examples(path: str | os.PathLike, tokenizer, max_length: int) -> list[Example]:
-    """read_records + tokenize_records."""
-    return tokenize_records(read_records(path), tokenizer, max_length)
+    """read_records + tokenize_records; every error names the file."""
+    try:
+        return tokenize_records(read_records(path), tokenizer, max_length)
+    except DataError as err:
+        if str(err).startswith(str(path)):
+            raise
+        raise DataError(f"{path}: {err}") from err
