@@ -103,6 +103,8 @@ def load_tokenizer(model_dir: str | os.PathLike, *, required: bool = True):
 
 def set_threads(threads: int | None) -> None:
     """Limit intra-op threads (useful when several clients share a few cores)."""
+    if threads is not None and threads < 1:  # 0 was silently ignored, -2 a torch error
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     if threads:
         import torch
 

@@ -57,3 +57,9 @@ def test_a_cuda_device_without_cuda_is_refused_by_name(capsys, command):
 def test_a_device_that_is_no_device_is_refused(capsys):
     err = refused(capsys, ["generate", "--model", DEFAULT, "--prompt", "hi", "--device", "bogus"])
     assert "--device 'bogus' is not a device name" in err
+
+
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_threads_below_one_are_refused(capsys, threads):
+    err = refused(capsys, ["generate", "--model", DEFAULT, "--prompt", "hi", "--threads", threads])
+    assert f"--threads must be >= 1, got {threads}" in err
