@@ -63,3 +63,17 @@ def test_a_device_that_is_no_device_is_refused(capsys):
 def test_threads_below_one_are_refused(capsys, threads):
     err = refused(capsys, ["generate", "--model", DEFAULT, "--prompt", "hi", "--threads", threads])
     assert f"--threads must be >= 1, got {threads}" in err
+
+
+def test_generate_into_a_reader_that_leaves_early_prints_no_error(tmp_path):
+    """`symbiont generate ... | head -c 3` printed 'error: [Errno 32] Broken pipe'."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "symbiont", "generate", "--model", DEFAULT, "--prompt", "The"]
+    argv += ["--max-new-tokens", "200", "--stream", "--threads", "1"]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.read(3)
+    child.stdout.close()  # the reader leaves
+    _, err = child.communicate(timeout=120)
+    assert "Broken pipe" not in err.decode() and "Traceback" not in err.decode(), err.decode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import warnings
 
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `symbiont generate ... | head`: the reader left, no error
+        # Python's advice: point stdout at devnull so the flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, RuntimeError, OSError) as err:
         # User-facing errors (bad paths, bad configs, lost executor) already say what to fix.
         if args.verbose:
