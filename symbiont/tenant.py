@@ -25,6 +25,7 @@ def open_executor(
     dtype=None,
     mask_activations: str | bool | None = None,
     prepack: bool = False,
+    tokens: Sequence[str] | None = None,
 ) -> Executor:
     """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
     `model_dir` at connect time), or an in-process BaseExecutor when `url` is None; with
@@ -33,7 +34,8 @@ def open_executor(
 
     mask_activations 'pool' wraps it so every call is masked; 'shares' takes two URLs
     (`serve-base`s of parties that do not collude) and splits every call between them
-    (docs/privacy.md)."""
+    (docs/privacy.md). `tokens`: each URL's serve-base --token, in order (default:
+    $SYMBIONT_TOKEN for every one)."""
     from symbiont.client.masking import MaskMode, mask_config, mask_executors
 
     urls = (url,) if url is None or isinstance(url, str) else tuple(url)
@@ -50,9 +52,23 @@ def open_executor(
             "--executor URL_A --executor URL_B (symbiont serve: --executor URL_A "
             "--second-executor URL_B)"
         )
-    executors = [
-        _open_one(model_dir, one, device=device, dtype=dtype, prepack=prepack) for one in urls
-    ]
+    if tokens and (urls == (None,) or len(tokens) != len(urls)):
+        raise ValueError(
+            f"{len(tokens)} --executor-token given for "
+            f"{'no' if urls == (None,) else len(urls)} --executor; give one per --executor, "
+            "in the same order"
+        )
+    tokens = tuple(tokens) if tokens else (None,) * len(urls)
+    executors = []
+    try:
+        for one, token in zip(urls, tokens, strict=True):
+            executors.append(
+                _open_one(model_dir, one, device=device, dtype=dtype, prepack=prepack, token=token)
+            )
+    except BaseException:
+        for executor in executors:
+            executor.close()
+        raise
     try:
         return mask_executors(model_dir, tuple(executors), config, device=device)
     except BaseException:
@@ -61,7 +77,7 @@ def open_executor(
         raise
 
 
-def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False) -> Executor:
+def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False, token=None) -> Executor:
     if url is None:
         from symbiont.base.executor import BaseExecutor
         from symbiont.base.prepack import PrepackedExecutor, can_prepack
@@ -72,7 +88,8 @@ def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False) -> Ex
         return executor
     from symbiont.client.remote import connect
 
-    return connect(url, checkpoint=model_dir)
+    options = {} if token is None else {"token": token}  # else $SYMBIONT_TOKEN
+    return connect(url, checkpoint=model_dir, **options)
 
 
 def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None, need_tokenizer=True):

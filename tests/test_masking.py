@@ -305,3 +305,31 @@ def test_shares_through_one_serve_base_are_refused(qwen2_with_tokenizer):
     base = BaseExecutor.from_pretrained(path)
     with pytest.raises(ValueError, match="the same executor twice"):
         symbiont.load_client(path, (base, base), mask_activations="shares")
+
+
+def test_two_parties_with_their_own_tokens_from_the_command_line(qwen2_with_tokenizer, capsys):
+    """Each party's serve-base has its own --token; the command line could pass only one
+    ($SYMBIONT_TOKEN), so shares between two parties could not run from it."""
+    path = qwen2_with_tokenizer
+
+    def start(token):
+        args = ("--threads", "1", "--token", token)
+        return ServerProcess(path, bind=("tcp://127.0.0.1:*",), args=args).start()
+
+    with ThreadPoolExecutor(2) as both:
+        servers = list(both.map(start, ["token-a", "token-b"]))
+    try:
+        urls = [server.url("tcp") for server in servers]
+        argv = ["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "3"]
+        argv += ["--threads", "1", "--temperature", "0", "--mask-activations", "shares"]
+        argv += ["--executor", urls[0], "--executor", urls[1]]
+        assert main([*argv, "--executor-token", "token-a", "--executor-token", "token-b"]) == 0
+        plain = capsys.readouterr().out
+        assert main([*argv, "--executor-token", "token-a", "--executor-token", "token-a"]) == 1
+        assert "was started with another token" in capsys.readouterr().err
+        assert main([*argv, "--executor-token", "token-a"]) == 1
+        assert "1 --executor-token given for 2 --executor" in capsys.readouterr().err
+        assert plain
+    finally:
+        with ThreadPoolExecutor(2) as both:
+            list(both.map(ServerProcess.stop, servers))

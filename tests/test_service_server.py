@@ -252,7 +252,7 @@ def test_token_is_required_when_configured(checkpoints, tmp_path):
         url = server.endpoints[0]
         with pytest.raises(ExecutorError, match="requires a token"):
             remote(url, token=None)
-        with pytest.raises(ExecutorError, match="requires a token"):
+        with pytest.raises(ExecutorError, match="was started with another token"):
             remote(url, token="guess")
         assert_serves_correctly(server, url, token="s3cret")
         assert server.stats.refused == 2

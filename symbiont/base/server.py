@@ -360,10 +360,12 @@ class ExecutorServer:
         expected = self.config.token
         if expected and not hmac.compare_digest((token or "").encode(), expected.encode()):
             log.warning("refused a connection from %s: missing or wrong token", peer)
+            why = "requires a token" if not token else "was started with another token"
             raise ProtocolError(
                 Code.REFUSED,
-                "this executor requires a token: pass token=... to symbiont.connect "
-                "(or set SYMBIONT_TOKEN) with the value serve-base was started with",
+                f"this executor {why}: give the value of its --token (command line: "
+                "--executor-token, or $SYMBIONT_TOKEN; Python: symbiont.connect(url, "
+                "token=...))",
             )
 
     def _stats(self, key: bytes, request: Stats) -> None:

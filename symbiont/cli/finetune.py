@@ -62,6 +62,13 @@ def _add_model_flags(parser) -> None:
         "twice with --mask-activations shares; "
         "default: load the base executor in this process",
     )
+    group.add_argument(
+        "--executor-token",
+        metavar="TOKEN",
+        action="append",
+        help="the --token of that serve-base, once per --executor in the same order (two "
+        "parties of --mask-activations shares hold different ones); default: $SYMBIONT_TOKEN",
+    )
 
     group.add_argument(
         "--mask-activations",
@@ -243,7 +250,11 @@ def run(args) -> int:
     set_threads(args.threads)
     model_dir = resolve_model(args.model)
     executor = open_executor(
-        model_dir, args.executor, dtype=args.dtype, mask_activations=args.mask_activations
+        model_dir,
+        args.executor,
+        dtype=args.dtype,
+        mask_activations=args.mask_activations,
+        tokens=args.executor_token,
     )
     try:
         model, tokenizer = open_client(model_dir, executor, dtype=args.dtype)

@@ -43,6 +43,13 @@ def register(subparsers) -> None:
         "twice with --mask-activations shares; "
         "default: load the base executor in this process",
     )
+    parser.add_argument(
+        "--executor-token",
+        metavar="TOKEN",
+        action="append",
+        help="the --token of that serve-base, once per --executor in the same order (two "
+        "parties of --mask-activations shares hold different ones); default: $SYMBIONT_TOKEN",
+    )
 
     parser.add_argument(
         "--mask-activations",
@@ -146,6 +153,7 @@ def run(args) -> int:
         device=device,
         dtype=args.dtype,
         mask_activations=args.mask_activations,
+        tokens=args.executor_token,
     )
     try:
         model, tokenizer = open_client(args.model, executor, device=device, dtype=args.dtype)
