@@ -77,3 +77,10 @@ def test_generate_into_a_reader_that_leaves_early_prints_no_error(tmp_path):
     child.stdout.close()  # the reader leaves
     _, err = child.communicate(timeout=120)
     assert "Broken pipe" not in err.decode() and "Traceback" not in err.decode(), err.decode()
+
+
+def test_a_ready_file_in_a_missing_folder_is_refused_before_listening(capsys, tmp_path):
+    """It failed after binding and logging 'serving', naming a temporary file."""
+    ready = tmp_path / "missing" / "ready.json"
+    err = refused(capsys, ["serve-base", "--model", DEFAULT, "--ready-file", str(ready)])
+    assert f"--ready-file {ready}: its folder does not exist" in err and "serving" not in err

@@ -228,6 +228,10 @@ class BaseProcessConfig:
         from symbiont.util.device import check_device
 
         check_device(self.device)
+        if self.ready_file is not None and not Path(self.ready_file).parent.is_dir():
+            raise ValueError(
+                f"--ready-file {self.ready_file}: its folder does not exist; create it first"
+            )
 
     @property
     def num_threads(self) -> int | None:
