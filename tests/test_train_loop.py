@@ -107,6 +107,18 @@ def test_resume_refuses_changed_settings(model_dir, executor, examples, tmp_path
         )
 
 
+def test_resume_refuses_changed_training_data(model_dir, executor, examples, tmp_path):
+    """--resume with another --data file trained on it from the checkpoint on, silently."""
+    config = TrainConfig(max_steps=4, save_every=2)
+    with pytest.raises(Interrupt):
+        run(client(model_dir, executor), examples, tmp_path, config=config, on_step=interrupt_at(3))
+    fewer = examples[:-1]
+    with pytest.raises(ValueError, match=r"training data: checkpoint \d+ examples .*now \d+"):
+        run(client(model_dir, executor), fewer, tmp_path, config=config, resume=True)
+    result = run(client(model_dir, executor), examples, tmp_path, config=config, resume=True)
+    assert result.steps == 4, "the same data resumes"
+
+
 @pytest.mark.parametrize(
     ("changed", "message"),
     [

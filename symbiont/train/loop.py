@@ -9,6 +9,7 @@ their own dtype. A resumed run therefore takes bit-for-bit the same steps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import get_scheduler
 
@@ -110,7 +112,8 @@ class _Run:
         self.total = config.total_steps(len(examples))
         self.optimizer, self.params = make_optimizer(model, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.total)
-        self.state = TrainState(step=0, tokens=0, config=config.as_record())
+        self.data = _fingerprint(examples)
+        self.state = TrainState(step=0, tokens=0, config={**config.as_record(), "data": self.data})
         self.eval_loss: float | None = None
 
     def start(self, resume: bool) -> None:
@@ -131,6 +134,13 @@ class _Run:
         if not conflicts:
             saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
             conflicts = self.config.resume_conflicts(saved.config)
+            data = saved.config.get("data")  # checkpoints before session 11 have none
+            if data is not None and data != self.data:
+                conflicts.append(
+                    f"training data: checkpoint {data['examples']} examples "
+                    f"(sha256 {data['sha256']}), now {self.data['examples']} "
+                    f"(sha256 {self.data['sha256']})"
+                )
         if conflicts:
             raise ValueError(
                 f"cannot resume from {checkpoint}: the training settings changed "
@@ -264,6 +274,16 @@ def _write_summary(path: Path, result: TrainResult) -> None:
 def _read_summary(path: Path) -> TrainResult:
     record = json.loads(path.read_text(encoding="utf-8"))
     return TrainResult(*(record[f.name] for f in fields(TrainResult)))
+
+
+def _fingerprint(examples: Sequence[Example]) -> dict:
+    """What a resume must train on again: the examples' tokens and labels, hashed."""
+    digest = hashlib.sha256()
+    for example in examples:
+        for values in (example.input_ids, example.labels):
+            digest.update(len(values).to_bytes(4, "little"))
+            digest.update(np.asarray(values, dtype=np.int64).tobytes())
+    return {"examples": len(examples), "sha256": digest.hexdigest()[:16]}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
