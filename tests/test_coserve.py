@@ -96,14 +96,22 @@ def test_refit_keeps_every_cost_nonnegative_and_follows_recent_iterations():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         CoServe(0)
     with pytest.raises(ValueError, match="6 coefficients"):
         CostModel([1.0])
     with pytest.raises(ValueError, match="as two samples"):
         CostModel().add(3, 4, 0, 0.01)
-    with pytest.raises(ValueError, match="slo_tpot_s must be > 0"):
-        EngineConfig(slo_tpot_s=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--slo-tpot-ms must be a positive finite number"):
+            EngineConfig(slo_tpot_s=bad)
+        with pytest.raises(ValueError, match="time-per-output-token target must be a finite"):
+            CoServe(bad)
+    for name in ("mlq_slo_s", "mlq_refresh_s"):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            EngineConfig(**{name: float("nan")})
+    with pytest.raises(ValueError, match="--max-loras must be at most"):
+        EngineConfig(max_adapters=10**6)
     with pytest.raises(ValueError, match="pass --jobs-dir"):
         ServerConfig(model="m", engine=EngineConfig(slo_tpot_s=0.05))
 

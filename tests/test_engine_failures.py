@@ -84,3 +84,19 @@ def test_a_cancelled_submit_neither_runs_nor_stops_the_engine(base):
         assert "victim" not in added, "a cancelled submit still added its request"
     finally:
         server.stop()
+
+
+def test_a_failing_co_serving_hook_leaves_inference_running(base, caplog):
+    """An error in the hook that paces fine-tuning jobs (a NaN SLO once did it) escaped
+    `Engine.step` and stopped the engine for every request."""
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), CONFIG)
+
+    def hook(tokens, seconds):
+        raise ValueError("cannot convert float NaN to integer")
+
+    engine.iteration_hook = hook
+    prompt = prompts(1, seed=3)[0]
+    got = engine.generate([prompt], None, GREEDY)[0]
+    assert got == Reference(base, {}).generate(prompt, None, GREEDY.max_tokens)
+    assert engine.iteration_hook is None, "the failing hook is taken out"
+    assert "without pacing" in caplog.text

@@ -251,8 +251,10 @@ class CoServe:
         idle_s: float | None = None,
         max_tokens: int = 4096,
     ):
-        if slo_s <= 0:
-            raise ValueError(f"the time-per-output-token target must be > 0 s, got {slo_s}")
+        if not (math.isfinite(slo_s) and slo_s > 0):
+            raise ValueError(
+                f"the time-per-output-token target must be a finite number > 0 s, got {slo_s}"
+            )
         self.slo_s = slo_s
         self.cost = cost or CostModel()
         # no iteration for this long (an inference iteration alone takes < slo_s): idle

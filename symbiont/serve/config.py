@@ -4,11 +4,14 @@ command's flags (help text in their metadata, read by `symbiont.cli.flags`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from symbiont.protocol.urls import is_loopback
+
+MAX_ADAPTER_SLOTS = 4096  # --max-loras beyond this allocated gigabytes of empty stacks
 
 
 class CachePolicy(StrEnum):
@@ -164,11 +167,20 @@ class EngineConfig:
                 f"EngineConfig.host_cache_bytes must be >= 0 (0 follows idle memory), got "
                 f"{self.host_cache_bytes}"
             )
-        if self.mlq_slo_s <= 0 or self.mlq_refresh_s <= 0:
+        if self.max_adapters > MAX_ADAPTER_SLOTS:  # each slot holds a stack row per layer
             raise ValueError(
-                f"EngineConfig.mlq_slo_s and mlq_refresh_s must be > 0, got {self.mlq_slo_s} "
-                f"and {self.mlq_refresh_s}"
+                f"--max-loras must be at most {MAX_ADAPTER_SLOTS}, got {self.max_adapters}"
             )
+        for flag, seconds in (
+            ("--mlq-slo-ms", self.mlq_slo_s),
+            ("--mlq-refresh-s", self.mlq_refresh_s),
+            ("--slo-tpot-ms", self.slo_tpot_s),
+        ):
+            # NaN passed `<= 0` and made MLQ run one request at a time; inf or NaN in the
+            # co-serving SLO stopped the engine at the first job's slot
+            if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= 3600):
+                shown = seconds * 1e3 if flag.endswith("-ms") else seconds
+                raise ValueError(f"{flag} must be a positive finite number, got {shown:g}")
         if self.max_deltas is not None and self.max_deltas < 1:
             raise ValueError(f"EngineConfig.max_deltas must be >= 1, got {self.max_deltas}")
         if self.max_skips < 0:
@@ -178,8 +190,6 @@ class EngineConfig:
         object.__setattr__(self, "scheduler", SchedulerPolicy(self.scheduler))
         if self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
-        if self.slo_tpot_s is not None and self.slo_tpot_s <= 0:
-            raise ValueError(f"EngineConfig.slo_tpot_s must be > 0, got {self.slo_tpot_s}")
         if self.max_batched_tokens < self.max_running:
             raise ValueError(
                 f"EngineConfig.max_batched_tokens ({self.max_batched_tokens}) must be at least "

@@ -278,7 +278,14 @@ class Engine:
         outputs = failed + self._run(scheduled)
         if self.iteration_hook is not None:
             tokens = sum(item.n_tokens for item in scheduled)
-            self.iteration_hook(tokens, time.perf_counter() - started)
+            try:
+                self.iteration_hook(tokens, time.perf_counter() - started)
+            except Exception:  # a bug in the pacing of jobs must not stop inference
+                log.exception(
+                    "co-serving's iteration hook failed; fine-tuning jobs now run beside "
+                    "inference without pacing (restart the server to pace them again)"
+                )
+                self.iteration_hook = None
         return outputs
 
     def _fail_unloadable(self) -> list[RequestOutput]:
