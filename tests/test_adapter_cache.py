@@ -336,3 +336,31 @@ def test_adapter_labels_on_request_metrics_are_bounded():
     ]
     assert len(series) == MAX_ADAPTER_LABELS + 2  # + "other" + the base
     assert f'adapter="other"}} {2.0 * MAX_ADAPTER_LABELS}' in text
+
+
+def test_an_adapter_that_cannot_be_placed_fails_alone(base, folder, reference, monkeypatch):
+    """Out of memory growing a slot's stacks escaped `Engine.step` and stopped the engine
+    for every request, and the slot it had taken was lost."""
+    from symbiont.serve.adapters import AdapterLayer
+
+    engine = engine_on(base, folder)
+    put = AdapterLayer.put
+
+    def out_of_memory_for_lora16(self, slot, weights, max_rank):
+        if weights is not None and getattr(weights, "rank", None) == 16:
+            raise MemoryError("cannot allocate 16 GB")
+        return put(self, slot, weights, max_rank)
+
+    monkeypatch.setattr(AdapterLayer, "put", out_of_memory_for_lora16)
+    free = engine.adapters.num_free_slots
+    names = ["lora16", "lora4", None]
+    batch = prompts(len(names), seed=23)
+    requests = [Request(f"r{i}", p, n, GREEDY) for i, (p, n) in enumerate(zip(batch, names, strict=True))]  # fmt: skip
+    run_all(engine, requests)
+    assert "could not be placed in a slot (MemoryError" in requests[0].error
+    for prompt, name, request in zip(batch[1:], names[1:], requests[1:], strict=True):
+        assert request.error is None, request.error
+        assert request.sequences[0].output_ids == reference.generate(
+            prompt, name, GREEDY.max_tokens
+        )
+    assert engine.adapters.num_free_slots >= free - 1, "the failed placement kept no slot"

@@ -373,7 +373,11 @@ class AdapterCache:
             if victim is None:
                 return False
             self._evict_resident(victim)
-        slot = self.registry.add(cached_key(entry.name), entry.weights)
+        try:
+            slot = self.registry.add(cached_key(entry.name), entry.weights)
+        except AdapterError as err:  # this adapter fails, not the engine's iteration
+            self._fail(entry, str(err))
+            return False
         if is_delta:
             self._deltas().place(slot, entry.weights)
         entry.state = AdapterState.RESIDENT

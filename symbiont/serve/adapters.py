@@ -410,8 +410,17 @@ class AdapterRegistry:
                 "or restart with a larger --max-loras"
             )
         slot = self._free.pop()
-        for module_name, module_weights in weights.modules.items():
-            self._layer(module_name).put(slot, module_weights, self.config.max_lora_rank)
+        try:
+            for module_name, module_weights in weights.modules.items():
+                self._layer(module_name).put(slot, module_weights, self.config.max_lora_rank)
+        except Exception as err:  # out of memory growing a stack, say: the slot goes back
+            for layer in self._layers.values():
+                layer.put(slot, None, self.config.max_lora_rank)
+            self._free.append(slot)
+            raise AdapterError(
+                f"adapter {name!r} could not be placed in a slot ({type(err).__name__}: {err}); "
+                "the server goes on without it"
+            ) from err
         resident = _Resident(name, slot, weights)
         self._by_name[name] = resident
         self._by_slot[slot] = resident
