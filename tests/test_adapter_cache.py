@@ -7,6 +7,7 @@ adapter in use is never evicted; eviction follows the policy; bad folders fail a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -24,7 +25,7 @@ from symbiont.serve.adapter_cache import (
     cost_scores,
     name_problem,
 )
-from symbiont.serve.adapters import AdapterNotFound
+from symbiont.serve.adapters import AdapterError, AdapterNotFound
 from symbiont.serve.config import CachePolicy
 from symbiont.serve.http.metrics import MAX_ADAPTER_LABELS, ServeMetrics
 from symbiont.serve.output import EngineObserver
@@ -364,3 +365,28 @@ def test_an_adapter_that_cannot_be_placed_fails_alone(base, folder, reference, m
             prompt, name, GREEDY.max_tokens
         )
     assert engine.adapters.num_free_slots >= free - 1, "the failed placement kept no slot"
+
+
+def test_adapters_loaded_by_name_share_the_slots_with_the_folder(base, folder, reference):
+    """With idle folder adapters in every slot, POST /v1/adapters (and a job publishing
+    its model) failed with 'all slots in use'; when adapters loaded by name took every
+    slot, folder requests waited forever. Now an idle folder adapter makes room, and the
+    last slot stays the folder's."""
+    engine = engine_on(base, folder)  # SMALL: 2 slots
+    names = ["lora4", "ia3"]  # fill both slots, then go idle
+    batch = prompts(2, seed=29)
+    run_all(engine, [Request(f"r{i}", p, n, GREEDY) for i, (p, n) in enumerate(zip(batch, names, strict=True))])  # fmt: skip
+    assert engine.adapters.num_free_slots == 0
+    engine.load_adapter("named", folder / "lora16")  # an idle folder adapter is evicted
+    with pytest.raises(AdapterError, match="would leave no adapter slot for --adapter-dir"):
+        engine.load_adapter("second", folder / "rslora2")
+    prompt = prompts(1, seed=31)[0]
+    request = Request("after", prompt, "lora8_attn", GREEDY)
+    run_all(engine, [request])
+    assert request.sequences[0].output_ids == reference.generate(
+        prompt, "lora8_attn", GREEDY.max_tokens
+    )
+    full = Engine.from_pretrained(base, config=dataclasses.replace(SMALL, max_adapters=1))
+    full.load_adapter("only", folder / "lora4")
+    with pytest.raises(AdapterError, match="--adapter-dir needs a free adapter slot"):
+        full.attach_adapter_dir(folder)

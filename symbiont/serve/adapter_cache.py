@@ -349,6 +349,16 @@ class AdapterCache:
                 return Placement.NO_SLOT, 0
             return Placement.READY, self.registry.acquire(cached_key(name))
 
+    def evict_idle(self) -> bool:
+        """Evict one resident adapter no running sequence uses (for an adapter loaded by
+        name); False when there is none."""
+        with self._lock:
+            victim = self._resident_victim()
+            if victim is None:
+                return False
+            self._evict_resident(victim)
+            return True
+
     def is_delta(self, name: str) -> bool:
         with self._lock:
             entry = self._entries.get(name)

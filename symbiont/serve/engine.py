@@ -136,6 +136,13 @@ class Engine:
 
     def attach_adapter_dir(self, root: str | os.PathLike) -> AdapterCache:
         """Serve every adapter folder under `root` by its folder name (scanned now)."""
+        named = len(self.adapters.names())
+        if named >= self.config.max_adapters:
+            raise AdapterError(
+                f"--adapter-dir needs a free adapter slot, but the {named} adapters and deltas "
+                f"loaded by name fill all --max-loras {self.config.max_adapters}; raise "
+                "--max-loras"
+            )
         self.cache = AdapterCache(self.adapters, root, self.config, self.observer)
         self.cache.scan()
         self.scheduler.cache = self.cache
@@ -147,8 +154,27 @@ class Engine:
 
     def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterWeights:
         weights = self.adapters.parse(path)
+        self._make_room_for_named(name)
         self.adapters.add(name, weights)
         return weights
+
+    def _make_room_for_named(self, name: str) -> None:
+        """With --adapter-dir, an adapter loaded by name takes a slot the cache's may hold
+        (an idle one is evicted for it), and never the last one: folder adapters would
+        then wait for a slot forever."""
+        if self.cache is None or name in self.adapters.names():
+            return  # no cache, or `add` refuses the name anyway
+        named, slots = len(self.adapters.names()), self.config.max_adapters
+        if named + 1 >= slots:
+            raise AdapterError(
+                f"loading {name!r} would leave no adapter slot for --adapter-dir's adapters "
+                f"({named} of --max-loras {slots} are loaded by name); unload one first, or "
+                "restart with a larger --max-loras"
+            )
+        if self.adapters.num_free_slots == 0 and not self.cache.evict_idle():
+            raise AdapterError(
+                "every adapter slot is in use by running requests; retry when they finish"
+            )
 
     def load_delta(
         self,
@@ -163,6 +189,7 @@ class Engine:
         from symbiont.serve.deltas import DeltaServer
 
         self.deltas = DeltaServer.of(self.adapters)
+        self._make_room_for_named(name)
         return self.deltas.load(name, path, mode or self.config.delta_mode, base)
 
     def unload_adapter(self, name: str) -> None:
