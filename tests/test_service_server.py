@@ -763,3 +763,21 @@ def test_a_reconnecting_client_frees_its_old_session(checkpoints, tmp_path):
         while server.sessions:
             assert time.monotonic() < deadline, "close() left its session"
             time.sleep(0.02)
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_a_client_dropped_without_close_frees_its_session(checkpoints, tmp_path, mode):
+    """A client garbage-collected without close() kept its session (and segment) for the
+    idle timeout, 600 s, counting towards --max-sessions: the next connects were refused."""
+    import gc
+
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        executor = remote(server.endpoints[1], mode=mode)
+        executor.forward(0, torch.randn(2, 32))
+        assert len(server.sessions) == 1
+        del executor
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while server.sessions:
+            assert time.monotonic() < deadline, "a dropped client kept its session"
+            time.sleep(0.02)

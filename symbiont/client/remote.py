@@ -236,6 +236,10 @@ class RemoteExecutor(Executor):
             return
         # Not contextlib.suppress: at interpreter exit, modules' globals may already be
         # None (contextlib, zmq), and a finalizer must print nothing.
+        try:  # noqa: SIM105 - a client dropped without close() frees its session too
+            self._say_bye()
+        except Exception:  # noqa: BLE001
+            pass
         try:  # noqa: SIM105
             self._drop()
         except Exception:  # noqa: BLE001

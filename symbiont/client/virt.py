@@ -210,7 +210,6 @@ _READ_FREE = frozenset(
         "detach",
         "__get__",
         "__set__",
-        "__reduce_ex__",
         "untyped_storage",
         "data_ptr",
         "stride",
@@ -222,6 +221,20 @@ _READ_FREE = frozenset(
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 
+_TRAIN_BASE_MESSAGE = (
+    "training a frozen base weight (requires_grad=True on it: full fine-tuning, or PEFT's "
+    "modules_to_save on a base layer such as lm_head): in split execution its values stay "
+    "on the base executor, shared by every tenant, so it would silently not train. Train "
+    "an adapter on it instead (LoRA on lm_head, say), or load the client with "
+    "load_client(..., local_lm_head=True) to keep the output layer on the client"
+)
+
+
+def _wants_grad(args, kwargs, key: str) -> bool:
+    value = args[1] if len(args) > 1 else (kwargs or {}).get(key, True)
+    return bool(value)
+
+
 class RemoteWeight(nn.Parameter):
     """A frozen weight of the right shape, dtype and device whose values live on the
     executor. Backed by one element; any read of its values raises a clear error
@@ -230,6 +243,10 @@ class RemoteWeight(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name == "__set__":
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop == "requires_grad" and len(args) > 1 and bool(args[1]):
+                raise BaseWeightUnavailable(_TRAIN_BASE_MESSAGE)
         if name == "__get__":
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
             if prop == "data":
@@ -239,6 +256,8 @@ class RemoteWeight(nn.Parameter):
                     return func(*args, **(kwargs or {}))
         elif name == "detach":
             return args[0]
+        elif name == "requires_grad_" and _wants_grad(args, kwargs, "requires_grad"):
+            raise BaseWeightUnavailable(_TRAIN_BASE_MESSAGE)
         elif name in _READ_FREE:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -246,6 +265,14 @@ class RemoteWeight(nn.Parameter):
 
     def __deepcopy__(self, memo):
         return _zero_storage(self.shape, self.dtype, self.device)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle of a client's state_dict recursed without end here
+        raise BaseWeightUnavailable(
+            f"saving a frozen base weight {list(self.shape)}: in split execution its values "
+            "stay on the base executor. Save the adapter (save_pretrained on the PEFT "
+            "model saves only the adapter's tensors), or use the base checkpoint itself"
+        )
 
     def __repr__(self) -> str:
         return f"RemoteWeight(shape={list(self.shape)}, dtype={self.dtype}, on the base executor)"
