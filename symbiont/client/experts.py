@@ -67,6 +67,7 @@ class _ExpertsCall(torch.autograd.Function):
         return experts.call_executor(Op.EXPERTS_FORWARD, hidden, ids, weights)[0]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # second-order gradients: an error, not 0
     def backward(ctx, grad_y):
         hidden, weights, ids = ctx.saved_tensors
         grad_hidden, grad_weights = ctx.experts.call_executor(

@@ -112,7 +112,7 @@ class LocalFusion(threading.local):
 
     def __reduce__(self):
         # A copied model (deepcopy, pickle) starts with fresh state: what is held here
-        # is the original's tensors, and a copy has its own executor copy to fuse on.
+        # is the original's tensors (its layers still share the executor).
         return (LocalFusion, ())
 
 

@@ -35,8 +35,28 @@ class _BaseLayerCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        grad_x = ctx.layer.call_executor(Op.BACKWARD, grad_y.contiguous())
+        # a Function of its own, so that create_graph=True (gradient penalties) records it
+        grad_x = _InputGradCall.apply(grad_y.contiguous(), ctx.layer)
         return grad_x, None
+
+
+class _InputGradCall(torch.autograd.Function):
+    """grad_x = grad_y W, a frozen layer's input gradient, itself differentiable for
+    second-order gradients: its derivative applies Wᵀ, the layer's forward without its
+    bias. (Without this, a gradient penalty's gradient was silently wrong.)"""
+
+    @staticmethod
+    def forward(ctx, grad_y: torch.Tensor, layer: VirtLayer) -> torch.Tensor:
+        ctx.layer = layer
+        return layer.call_executor(Op.BACKWARD, grad_y)
+
+    @staticmethod
+    def backward(ctx, grad_grad_x: torch.Tensor):
+        layer = ctx.layer
+        y = layer.call_unfused(Op.FORWARD, grad_grad_x.contiguous())
+        if layer.bias is not None:
+            y = y - layer.bias.to(y.dtype)
+        return y, None
 
 
 def _owned(y: torch.Tensor) -> torch.Tensor:
@@ -95,6 +115,12 @@ class VirtLayer:
         if self._fusion is not None and op is Op.FORWARD:
             return self._forward_fused(self._fusion.state, x)
         if x.dtype == self.wire_dtype:  # the common case: skip two no-op casts per call
+            return self._executor.call(op, self.spec.id, x)
+        return self._executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
+
+    def call_unfused(self, op: Op, x: torch.Tensor) -> torch.Tensor:
+        """One call of this layer alone (a tensor no sibling layer will take)."""
+        if x.dtype == self.wire_dtype:
             return self._executor.call(op, self.spec.id, x)
         return self._executor.call(op, self.spec.id, x.to(self.wire_dtype)).to(x.dtype)
 

@@ -116,6 +116,12 @@ class Manifest:
 class Executor(ABC):
     """Runs frozen base layers for clients. Holds no per-client or per-call state."""
 
+    def __deepcopy__(self, memo):
+        # The base is shared, not owned: a copied client (copy.deepcopy, PEFT's
+        # layer_replication) calls the same executor; copying it copied the whole base
+        # in process, and failed on a connection's lock over serve-base.
+        return self
+
     @property
     @abstractmethod
     def manifest(self) -> Manifest: ...
