@@ -80,3 +80,14 @@ def test_second_order_gradients_equal_vanilla(checkpoints):
     assert torch.allclose(second[1], second[0], rtol=1e-4, atol=1e-6), (
         f"max |diff| {(second[1] - second[0]).abs().max():.2e}"
     )
+
+
+def test_trainable_tokens_on_tied_embeddings_say_to_keep_the_head_local(checkpoints):
+    """The error named a torch operation, not trainable tokens or the fix."""
+    path = checkpoints("gemma2")  # tied input and output embeddings
+    config = peft.TrainableTokensConfig(token_indices=[3, 5, 7])
+    model = peft.get_peft_model(load_client(path, BaseExecutor.from_pretrained(path)), config)
+    with pytest.raises(BaseWeightUnavailable, match="trainable tokens.*local_lm_head=True"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))
+    local = load_client(path, BaseExecutor.from_pretrained(path), local_lm_head=True)
+    peft.get_peft_model(local, config)(input_ids=torch.tensor([[3, 4, 5]]))  # runs

@@ -196,9 +196,15 @@ _WEIGHT_READERS = {
     "peft.tuners.lora.eva": "EVA initialisation (init_lora_weights='eva')",
     "peft.utils.loftq_utils": "LoftQ initialisation (init_lora_weights='loftq')",
     "trl.kernels.chunked_logprob": "TRL's fused LM head (the SFTTrainer loss)",
+    "peft.tuners.trainable_tokens.layer": "trainable tokens on tied embeddings",
 }
 # What to do instead, where it is not "use another PEFT method".
 _WEIGHT_READER_ADVICE = {
+    "trainable tokens on tied embeddings": (
+        "PEFT also wraps the output layer tied to the embeddings and reads its weight. Load "
+        "the client with load_client(..., local_lm_head=True): free when the output layer "
+        "is tied to the input embeddings, and then trainable tokens run exactly."
+    ),
     "TRL's fused LM head (the SFTTrainer loss)": (
         "Load the client with load_client(..., local_lm_head=True) to keep the output "
         "projection on the client (free when it is tied to the input embeddings)."

@@ -101,7 +101,8 @@ def _delora_reset(self, original, adapter_name, init_weights=True, delora_lambda
         nn.init.kaiming_uniform_(self.delora_B[adapter_name], a=math.sqrt(5))
     self.delora_lambda[adapter_name].data.fill_(float(delora_lambda))
     base = self.get_base_layer()
-    self.delora_w_norm[adapter_name] = base_column_norms(base).to(base.weight.dtype)
+    # a copy: the cache is the layer's, each adapter's buffer its own (peft's is too)
+    self.delora_w_norm[adapter_name] = base_column_norms(base).to(base.weight.dtype).clone()
     return None
 
 
