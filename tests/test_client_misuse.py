@@ -91,3 +91,19 @@ def test_trainable_tokens_on_tied_embeddings_say_to_keep_the_head_local(checkpoi
         model(input_ids=torch.tensor([[3, 4, 5]]))
     local = load_client(path, BaseExecutor.from_pretrained(path), local_lm_head=True)
     peft.get_peft_model(local, config)(input_ids=torch.tensor([[3, 4, 5]]))  # runs
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_lora_that_trains_base_biases_is_refused(checkpoints, tmp_path, bias):
+    """bias='all' made the base biases trainable on the client, where the executor's
+    frozen ones were added instead: gradients None, the trained biases ignored."""
+    from symbiont.adapters import AdapterError, read_adapter
+
+    path = checkpoints("qwen2")  # biased q/k/v
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], bias=bias)
+    model = peft.get_peft_model(load_client(path, BaseExecutor.from_pretrained(path)), config)
+    with pytest.raises(BaseWeightUnavailable, match="bias='all' or 'lora_only'"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))
+    config.save_pretrained(tmp_path)
+    with pytest.raises(AdapterError, match=f"bias='{bias}' trains the base layers' biases"):
+        read_adapter(tmp_path, require_weights=False)

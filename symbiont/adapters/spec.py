@@ -272,6 +272,13 @@ def _refuse_no_op(config: peft.PeftConfig, where: str) -> None:
 
 
 def _refuse_base_weight_methods(config: peft.PeftConfig, where: str) -> None:
+    bias = getattr(config, "bias", "none")
+    if isinstance(bias, str) and bias != "none":  # LoRA-family bias='all' | 'lora_only'
+        raise AdapterError(
+            f"{where}: bias={bias!r} trains the base layers' biases, but in split execution "
+            "the executor adds the frozen biases, shared by every tenant, so the adapter's "
+            "biases would be silently ignored. Use bias='none' (the LoRA default)"
+        )
     feature = None
     init = getattr(config, "init_lora_weights", None)
     if getattr(config, "kasa_config", None):

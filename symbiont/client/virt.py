@@ -100,6 +100,8 @@ class VirtLayer:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None and self.bias.requires_grad:  # LoraConfig(bias='all'), ...
+            raise BaseWeightUnavailable(_TRAIN_BIAS_MESSAGE)
         flat = x.reshape(-1, x.shape[-1])  # [n_tokens, in]: the executor sees flattened tokens
         if not torch.is_grad_enabled():
             y = self.call_executor(Op.FORWARD, flat)
@@ -253,6 +255,11 @@ _READ_FREE = frozenset(
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 
+_TRAIN_BIAS_MESSAGE = (
+    "training a frozen base layer's bias (PEFT's bias='all' or 'lora_only'): the executor "
+    "adds the frozen bias, shared by every tenant, so the trained one would be silently "
+    "ignored. Use bias='none' (the LoRA default)"
+)
 _TRAIN_BASE_MESSAGE = (
     "training a frozen base weight (requires_grad=True on it: full fine-tuning, or PEFT's "
     "modules_to_save on a base layer such as lm_head): in split execution its values stay "
