@@ -390,3 +390,29 @@ def test_adapters_loaded_by_name_share_the_slots_with_the_folder(base, folder, r
     full.load_adapter("only", folder / "lora4")
     with pytest.raises(AdapterError, match="--adapter-dir needs a free adapter slot"):
         full.attach_adapter_dir(folder)
+
+
+def test_a_changed_or_removed_folder_is_served_as_it_is_now(base, folder, reference, tmp_path):
+    """A folder replaced with other weights kept serving the old ones from its slot (and
+    its old method: a new prompt-tuning adapter could block the queue); a removed folder
+    kept being served."""
+    root = tmp_path / "dir"
+    root.mkdir()
+    shutil.copytree(folder / "lora4", root / "tenant")
+    engine = engine_on(base, root)
+    prompt = prompts(1, seed=37)[0]
+    assert engine.generate([prompt], ["tenant"], GREEDY)[0] == reference.generate(
+        prompt, "lora4", GREEDY.max_tokens
+    )
+    shutil.rmtree(root / "tenant")
+    shutil.copytree(folder / "lora16", root / "tenant")  # re-published: other weights, rank
+    engine.cache.scan()  # what GET /v1/models does
+    assert engine.generate([prompt], ["tenant"], GREEDY)[0] == reference.generate(
+        prompt, "lora16", GREEDY.max_tokens
+    )
+    assert {c["id"]: c["rank"] for c in engine.cache.cards()}["tenant"] == 16
+    shutil.rmtree(root / "tenant")
+    engine.cache.scan()
+    with pytest.raises(AdapterNotFound):
+        engine.add_request(Request("gone", prompt, "tenant", GREEDY))
+    assert engine.generate([prompt], [None], GREEDY), "the engine goes on"

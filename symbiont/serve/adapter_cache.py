@@ -116,7 +116,8 @@ class CachedAdapter:
     loading: Future | None = None
     load_seconds: float | None = None
     tick: int = 0  # order of last use (recency without clock ties)
-    stamp: tuple = ()  # modification times of its files when it failed
+    stamp: tuple = ()  # modification times of its files when it was discovered
+    stale: bool = False  # its folder changed or went while it sat in a slot: evict, forget
 
     def card(self) -> dict:
         return {
@@ -164,6 +165,7 @@ class AdapterCache:
         self._lock = threading.RLock()
         self._ticks = 0
         self.failures = 0  # bumped whenever an adapter fails (the engine then fails its requests)
+        self.stale = False  # some resident adapter's folder changed or went (`drop_stale`)
         self.wake: Callable[[], None] | None = None  # called when a load ends (engine thread)
         self._pool = ThreadPoolExecutor(load_threads, thread_name_prefix="symbiont-adapter-load")
 
@@ -179,13 +181,46 @@ class AdapterCache:
         present = set(names)
         with self._lock:
             for name, entry in list(self._entries.items()):
-                gone = name not in present and entry.state is AdapterState.DISK
-                changed = entry.state is AdapterState.FAILED and _stamp(entry.path) != entry.stamp
-                if entry.refs == 0 and (gone or changed):
+                gone = name not in present
+                changed = not gone and _stamp(entry.path) != entry.stamp
+                if entry.refs or not (gone or changed) or entry.state is AdapterState.LOADING:
+                    continue  # in use, unchanged, or being read: looked at again next scan
+                if entry.state is AdapterState.RESIDENT:
+                    entry.stale = self.stale = True  # its slot is the engine thread's
+                else:  # on disk, failed or in host memory: forgotten, found again if there
                     del self._entries[name]
         for name in names:
             if name not in self._entries and not name.startswith("."):
                 self._discover(name)
+
+    def drop_stale(self) -> None:
+        """Engine thread: evict and forget idle resident adapters whose folder changed
+        or went (scan marked them), so the next request reads the folder again."""
+        if not self.stale:  # the common case: one attribute read per iteration
+            return
+        with self._lock:
+            self.stale = False
+            for name, entry in list(self._entries.items()):
+                if not entry.stale or entry.state is not AdapterState.RESIDENT:
+                    continue
+                if entry.refs:
+                    self.stale = True  # wanted: `place` reloads it once its slot is idle
+                    continue
+                self._evict_resident(entry)
+                del self._entries[name]
+
+    def _reload_stale(self, entry: CachedAdapter) -> None:
+        """Engine thread, under the lock: a resident adapter whose folder changed, with no
+        sequence in its slot, is evicted and read again from its folder."""
+        self._evict_resident(entry)
+        entry.weights, entry.stale, entry.stamp = None, False, _stamp(entry.path)
+        problem = self._inspect(entry)  # method, rank and size of the new files
+        if problem is not None:
+            entry.state, entry.reason = AdapterState.FAILED, problem
+            self.failures += 1
+            return
+        entry.state = AdapterState.LOADING
+        entry.loading = self._pool.submit(self._load, entry)
 
     def lookup(self, name: str) -> CachedAdapter | None:
         """The folder's adapter `name` (discovered now if it appeared since the scan), or
@@ -209,8 +244,9 @@ class AdapterCache:
             if entry.method is None and not (path / CONFIG_FILE).is_file():
                 return None  # neither a PEFT config nor a delta manifest: not served, not listed
             problem = self._inspect(entry)
+        entry.stamp = _stamp(path)
         if problem is not None:
-            entry.state, entry.reason, entry.stamp = AdapterState.FAILED, problem, _stamp(path)
+            entry.state, entry.reason = AdapterState.FAILED, problem
         with self._lock:
             return self._entries.setdefault(name, entry)
 
@@ -259,6 +295,8 @@ class AdapterCache:
         with self._lock:
             if entry.state is AdapterState.FAILED:
                 raise AdapterFailed(name, entry.reason or "it failed to load")
+            if entry.stale and not os.path.isdir(entry.path):
+                raise AdapterNotFound(_not_found(name))  # its folder was removed
             entry.refs += 1
             if count:
                 entry.hits += 1
@@ -343,6 +381,15 @@ class AdapterCache:
             entry = self._entries.get(name)
             if entry is None or entry.state is AdapterState.FAILED:
                 return Placement.FAILED, 0
+            key = cached_key(name)
+            if (
+                entry.stale
+                and entry.state is AdapterState.RESIDENT
+                and not self.registry.users(key)
+            ):
+                self._reload_stale(entry)  # its folder changed: serve the new files
+                if entry.state is AdapterState.FAILED:
+                    return Placement.FAILED, 0
             if entry.state in (AdapterState.DISK, AdapterState.LOADING):
                 return Placement.LOADING, 0
             if entry.state is AdapterState.HOST and not self._install(entry, evict):

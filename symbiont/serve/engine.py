@@ -296,6 +296,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration over everything scheduled; returns what changed."""
+        if self.cache is not None:
+            self.cache.drop_stale()  # folders changed or removed since they were loaded
         failed = self._fail_unloadable()
         scheduled = self.scheduler.schedule()
         self.stalled = not scheduled
