@@ -416,3 +416,45 @@ def test_a_changed_or_removed_folder_is_served_as_it_is_now(base, folder, refere
     with pytest.raises(AdapterNotFound):
         engine.add_request(Request("gone", prompt, "tenant", GREEDY))
     assert engine.generate([prompt], [None], GREEDY), "the engine goes on"
+
+
+def test_a_cancelled_waiter_does_not_cancel_the_shared_load(base, folder):
+    """A request handler cancelled while its adapter's load was still queued cancelled
+    that load, which every request for the adapter shares: it stayed 'loading' forever."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from symbiont.serve.http import api
+
+    engine = engine_on(base, folder)
+    cache = engine.cache
+    release = threading.Event()
+    blockers = [cache._pool.submit(release.wait) for _ in range(4)]  # every loader busy
+    state = SimpleNamespace(ready=lambda: SimpleNamespace(engine=engine))
+    original = api._cache
+    api._cache = lambda _: cache
+    try:
+
+        async def wait_for_adapter():
+            async with api._adapter_in_memory(state, "lora4"):
+                pass
+
+        async def main():
+            task = asyncio.ensure_future(wait_for_adapter())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release.set()
+            for _ in range(200):
+                if cache.state("lora4") == "host":
+                    return
+                await asyncio.sleep(0.01)
+
+        asyncio.run(main())
+    finally:
+        api._cache = original
+        release.set()
+    assert all(b.done() for b in blockers)
+    assert cache.state("lora4") == "host", "the shared load was cancelled"

@@ -240,7 +240,9 @@ async def _adapter_in_memory(state: ServerState, adapter: str | None):
         return
     loaded = cache.reserve(adapter)  # counts this request's cache hit or miss
     try:
-        await asyncio.wrap_future(loaded)
+        # shielded: the load is shared by every request for this adapter, and a cancelled
+        # waiter would otherwise cancel it while queued, leaving it 'loading' for everyone
+        await asyncio.shield(asyncio.wrap_future(loaded))
         yield True
     finally:
         cache.release(adapter)
