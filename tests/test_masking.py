@@ -330,6 +330,15 @@ def test_two_parties_with_their_own_tokens_from_the_command_line(qwen2_with_toke
         assert main([*argv, "--executor-token", "token-a"]) == 1
         assert "1 --executor-token given for 2 --executor" in capsys.readouterr().err
         assert plain
+        config = ServerConfig(
+            model=str(path), port=0, engine=SERVE_ENGINE, mask_activations="shares",
+            executor=urls[0], second_executor=urls[1],
+            executor_token="token-a", second_executor_token="token-b",
+        )  # fmt: skip
+        with BackgroundServer(config) as server:  # symbiont serve: a token per party too
+            body = {"model": path.name, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
     finally:
         with ThreadPoolExecutor(2) as both:
             list(both.map(ServerProcess.stop, servers))

@@ -291,6 +291,21 @@ class ServerConfig:
             "metavar": "URL",
         },
     )
+    executor_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "the --token of --executor's serve-base (default: $SYMBIONT_TOKEN)",
+            "metavar": "TOKEN",
+        },
+    )
+    second_executor_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "the --token of --second-executor's serve-base, the second party's own "
+            "(default: $SYMBIONT_TOKEN)",
+            "metavar": "TOKEN",
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "interface to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on (0: any free port)"})
     api_key: str | None = field(
@@ -365,6 +380,12 @@ class ServerConfig:
         from symbiont.util.device import check_device
 
         check_device(self.device)
+        for token, url, flags in (
+            (self.executor_token, self.executor, ("--executor-token", "--executor")),
+            (self.second_executor_token, self.second_executor, ("--second-executor-token", "--second-executor")),
+        ):  # fmt: skip
+            if token and not url:
+                raise ValueError(f"{flags[0]} is the token of {flags[1]} URL; give that too")
         names = [entry[0] for entry in self.adapters + self.deltas]
         if len(set(names)) != len(names):
             raise ValueError(f"adapter and delta names must be unique, got {names}")

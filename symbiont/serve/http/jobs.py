@@ -242,7 +242,8 @@ def _training_executor(executor, model_path: str):
         return executor
     from symbiont.tenant import open_executor
 
-    return open_executor(model_path, url)
+    token = getattr(getattr(executor, "config", None), "token", None)  # the engine's own
+    return open_executor(model_path, url, tokens=(token,))
 
 
 def mount_jobs(app: FastAPI, state) -> JobsService:

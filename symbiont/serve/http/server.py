@@ -31,10 +31,19 @@ def load_engine(
 ) -> AsyncEngine:
     """Build the engine and its adapters, then make the state ready; `on_failure(why)` is
     called from the engine thread if it fails for good."""
-    urls = tuple(url for url in (config.executor, config.second_executor) if url) or None
+    pairs = [
+        (url, token)
+        for url, token in (
+            (config.executor, config.executor_token),
+            (config.second_executor, config.second_executor_token),
+        )
+        if url
+    ]
+    urls = tuple(url for url, _ in pairs) or None
     executor = open_executor(
         config.model,
         urls,
+        tokens=tuple(token for _, token in pairs) or None,
         device=config.device,
         dtype=config.dtype,
         mask_activations=config.mask_activations,
