@@ -89,7 +89,8 @@ def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False, token
     from symbiont.client.remote import connect
 
     options = {} if token is None else {"token": token}  # else $SYMBIONT_TOKEN
-    return connect(url, checkpoint=model_dir, **options)
+    # a client on the executor's GPU keeps calls' tensors there (CUDA IPC)
+    return connect(url, checkpoint=model_dir, device=str(device), **options)
 
 
 def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None, need_tokenizer=True):

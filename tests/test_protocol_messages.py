@@ -10,6 +10,7 @@ import pytest
 
 from symbiont.protocol import messages, wire
 from symbiont.protocol.executor import PROTOCOL_VERSION, Op
+from symbiont.protocol.messages import Ok
 from symbiont.protocol.wire import Code, Kind, ProtocolError, decode, encode, encode_fields
 
 EXAMPLES = [
@@ -130,3 +131,25 @@ def _nested(depth):
     for _ in range(depth):
         value = {"a": value}
     return value
+
+
+def test_an_unknown_field_is_refused_also_when_a_known_one_is_left_out():
+    # ATTACH has an optional field (gpu): a header of the right length with a field
+    # renamed used to pass the length check and lose the field silently
+    with pytest.raises(ProtocolError, match=r"ATTACH has unknown fields \['path'\]") as caught:
+        decode(encode_fields(Kind.ATTACH, call_id=3, path="/etc/passwd", capacity=1024))
+    assert caught.value.code is Code.BAD_MESSAGE
+    assert "'capacity', 'gpu'" in str(caught.value) and "'kind'" not in str(caught.value)
+
+
+def test_gpu_area_handles_are_checked_field_by_field():
+    good = [b"h" * 64, 4096, 0, b"/torch_123_456", 0, b"e" * 64, True]
+    ok = decode(encode(Ok(call_id=1, segment="/proc/1/fd/3", gpu_areas=good)))
+    assert ok.gpu_areas == good
+    for index, bad_value in [(0, "text"), (1, -1), (1, 1.5), (3, b"x" * 2000), (6, 1)]:
+        fields = list(good)
+        fields[index] = bad_value
+        with pytest.raises(ProtocolError, match="OK.gpu_areas"):
+            decode(encode_fields(Kind.OK, call_id=1, gpu_areas=fields))
+    with pytest.raises(ProtocolError, match="OK.gpu_areas"):
+        decode(encode_fields(Kind.OK, call_id=1, gpu_areas=good[:6]))

@@ -70,6 +70,8 @@ GOOD = {  # a plausible value per field name, so that one bad field is tried at 
     "message": "m",
     "capacity": 4096,
     "segment": None,
+    "gpu": "GPU-00000000-0000-0000-0000-000000000000",  # no GPU here: host areas
+    "gpu_areas": None,
     "seq": 1,
     "stats": {},
     "offset": 0,

@@ -36,7 +36,7 @@ from symbiont.base.executor import BaseExecutor
 from symbiont.base.scheduler import Call as QueuedCall
 from symbiont.base.scheduler import Scheduler, Session
 from symbiont.base.stats import Stats as Counters
-from symbiont.protocol import shm
+from symbiont.protocol import gpu_areas, shm
 from symbiont.protocol.executor import EXPERTS_OPS, Op, validate_call
 from symbiont.protocol.experts import (
     REPLY_NAMES,
@@ -106,6 +106,9 @@ class ExecutorServer:
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
         self._spin_ok = True
         self._on_cpu = executor.device.type == "cpu"
+        # Clients on this GPU get their segment's areas here (CUDA IPC): matched by UUID.
+        self._gpu = executor.device if executor.device.type == "cuda" else None
+        self._gpu_uuid = gpu_areas.uuid_of(executor.device) if self._gpu is not None else None
         self._cores = config.host_cores or shm.cores()
         self._welcome = self.manifest.to_dict()
         self._pool: ThreadPoolExecutor | None = None
@@ -401,17 +404,21 @@ class ExecutorServer:
                 f"a segment of {attach.capacity} bytes per area exceeds max_call_bytes "
                 f"({self.config.max_call_bytes})",
             )
+        gpu = self._gpu if attach.gpu is not None and attach.gpu == self._gpu_uuid else None
         try:
-            segment = shm.Segment.create(attach.capacity)
+            segment = shm.Segment.create(attach.capacity, gpu=gpu)
         except OSError as err:
             raise ProtocolError(Code.REFUSED, f"no shared memory: {err}") from None
+        except RuntimeError as err:  # CUDA: out of memory, or no IPC on this platform
+            raise ProtocolError(Code.REFUSED, f"no GPU areas: {err}") from None
         if session.segment is not None:
             self._retire(session.segment)
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
         segment.ctrl[shm.DOORBELL] = self._wake_w
         self._fit_to_sessions()
-        self._send(session.key, encode(Ok(call_id=attach.call_id, segment=segment.path)))
+        ok = Ok(call_id=attach.call_id, segment=segment.path, gpu_areas=segment.gpu_share)
+        self._send(session.key, encode(ok))
 
     def _frame_call(self, session: Session, call: Call, frames: list) -> None:
         if session.waiting or session.pending is not None:  # one at a time; never drop
@@ -568,6 +575,10 @@ class ExecutorServer:
     def _shm_experts(self, session: Session, segment, seq: int, op: Op, experts, rows) -> None:
         """An experts call posted in shared memory; ids and routing weights are copied out
         before they are checked, so the client cannot change them afterwards."""
+        if segment.gpu_area is not None:  # the client sends these as frames
+            raise ProtocolError(
+                Code.BAD_CALL, "experts calls go as frames when a segment's areas are on the GPU"
+            )
         top_k, weights_dtype = shm.read_experts(segment.ctrl)
         dtype = self.manifest.dtype
         limit = min(self.config.max_call_bytes, segment.capacity)
@@ -677,16 +688,14 @@ class ExecutorServer:
         """Each call's outputs [[n_i, out_l] per layer of `layers`, in that order: the
         order its client listed them] from one pass over x of all calls [sum n_i, in];
         where it fails (e.g. out of memory), `Failed` for each call instead."""
-        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
         try:
-            if not self._on_cpu:
-                x = x.to(self.executor.device)
+            x = self._batch_input(calls)
             if len(layers) > 1:  # forward only: one matmul where the layers are one run
                 ys = list(self.executor.run_fused(layers, x))
             else:
                 ys = [self.executor.run(op, layers[0], x)]
-            if not self._on_cpu:
-                ys = [y.cpu() for y in ys]
+            # y stays on the GPU: replies copy it where it goes (host segment, frame, or
+            # a segment's GPU areas without leaving the device)
         except (RuntimeError, ValueError) as err:  # fail these calls only
             log.exception("layer %d %s failed", layers[0], op.name.lower())
             return [Failed(layers[0], err)] * len(calls)
@@ -694,6 +703,15 @@ class ExecutorServer:
             return [ys]
         sizes = [c.tokens for c in calls]
         return [list(parts) for parts in zip(*(y.split(sizes) for y in ys), strict=True)]
+
+    def _batch_input(self, calls: list[QueuedCall]) -> torch.Tensor:
+        """x of all calls [sum n_i, in] on the executor's device (inputs come from host
+        segments and frames, or from GPU areas already there)."""
+        if self._on_cpu:
+            return calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])
+        device = self.executor.device
+        xs = [c.x.to(device) for c in calls]
+        return xs[0] if len(xs) == 1 else torch.cat(xs)
 
     def _run_experts(self, experts: int, calls: list[QueuedCall]) -> int:
         """Run an experts stack once per (direction, top-k, routing-weights dtype) over
@@ -744,7 +762,8 @@ class ExecutorServer:
             return self._reply_experts(call, ys)
         if not call.via_shm:
             cols = sum(y.shape[1] for y in ys)
-            data = tensor_bytes(ys[0] if len(ys) == 1 else torch.cat([y.reshape(-1) for y in ys]))
+            y = ys[0] if len(ys) == 1 else torch.cat([y.reshape(-1) for y in ys])
+            data = tensor_bytes(y.cpu())
             header = encode(Result(call_id=call.call_id, rows=rows, cols=cols))
             self._sock.send_multipart([session.key, header, data], copy=False)
             return
@@ -776,6 +795,7 @@ class ExecutorServer:
         for y in ys:
             segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
             offset += y.numel()
+        segment.settle()  # GPU areas: the copies are done before the client sees RESP_SEQ
         segment.ctrl[shm.OUT_ROWS] = rows
         return _publish(segment, call.call_id)
 

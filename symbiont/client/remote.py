@@ -24,7 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from symbiont.client.fusion import Fusion
-from symbiont.protocol import shm
+from symbiont.protocol import gpu_areas, shm
 from symbiont.protocol.executor import (
     PROTOCOL_VERSION,
     Executor,
@@ -92,6 +92,9 @@ class ClientConfig:
     spin_us: float = 10000.0
     shm_tokens: int = 64  # initial shared-memory capacity, in tokens of the widest layer
     fuse: bool = True  # one round trip for forward calls sharing an input (q/k/v, gate/up)
+    # Where the client computes: on the executor's GPU, calls' tensors stay on it (the
+    # segment's areas are there, shared by CUDA IPC) instead of crossing to the host.
+    device: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -150,8 +153,11 @@ class RemoteExecutor(Executor):
 
     @property
     def transport(self) -> str:
-        """'shm' when calls go through shared memory, else 'zmq'."""
-        return "shm" if self._segment is not None else "zmq"
+        """'shm' when calls go through shared memory, 'cuda-ipc' when its areas are on
+        the GPU that client and executor share, else 'zmq'."""
+        if self._segment is None:
+            return "zmq"
+        return "shm" if self._segment.gpu_area is None else "cuda-ipc"
 
     def call(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         check_call(self._manifest, op, layer, x)
@@ -338,10 +344,17 @@ class RemoteExecutor(Executor):
             return
         default = self.config.shm_tokens * self._widest * self._manifest.dtype.itemsize
         capacity = min(max(capacity or 0, default), self._max_call_bytes)
+        gpu = gpu_areas.uuid_of(self.config.device) if self.config.device else None
         try:
-            attach = Attach(call_id=self._new_id(), capacity=capacity)
+            attach = Attach(call_id=self._new_id(), capacity=capacity, gpu=gpu)
             ok = self._await(self._send(attach), self.config.connect_timeout_s)
-            segment = shm.Segment.open(ok.segment or "", capacity)
+            areas = None
+            if ok.gpu_areas is not None:
+                index = gpu_areas.index_of(gpu) if gpu is not None else None
+                if index is None:
+                    raise ValueError("the executor put the areas on a GPU this client lacks")
+                areas = (index, ok.gpu_areas)
+            segment = shm.Segment.open(ok.segment or "", capacity, gpu=areas)
         except (ExecutorError, ValueError) as err:
             if self.config.mode is Mode.SHM:
                 raise ExecutorError(f"shared memory with {self.url}: {err}") from None
@@ -395,7 +408,8 @@ class RemoteExecutor(Executor):
             self._new_id(), op, experts, rows, width, DTYPE_NAMES[hidden.dtype], (), top_k,
             DTYPE_NAMES[weights.dtype],
         )  # fmt: skip
-        if self._fits_shm(max(request.nbytes, reply.nbytes)):
+        on_gpu = self._segment is not None and self._segment.gpu_area is not None
+        if not on_gpu and self._fits_shm(max(request.nbytes, reply.nbytes)):
             return self._experts_shm(call, tensors, request, reply)
         self._send_call(call, memoryview(request.pack(tensors).numpy()), copy=False)
         result, data = self._await(call.call_id, self.config.timeout_s, frames=True)
@@ -469,6 +483,7 @@ class RemoteExecutor(Executor):
         if ctrl[shm.CLOSED]:
             raise _Lost("session expired")  # the executor freed it: reconnect
         segment.input(x.dtype, rows, in_w).copy_(x)
+        segment.settle()  # GPU areas: x is there before the executor sees REQ_SEQ
         ctrl[shm.OP] = int(op)
         ctrl[shm.LAYER] = layer
         ctrl[shm.ROWS] = rows

@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import ClassVar
 
+from symbiont.protocol import gpu_areas
 from symbiont.protocol.executor import DTYPES, Code, Op, ProtocolError
 
 MAX_ID = (1 << 63) - 1  # ids and sequence numbers are int64 (the shared-memory slots are)
@@ -106,6 +107,13 @@ def layer_list(limit: int) -> Check:
         return tuple(value)
 
     return Check(f"list of at most {limit} layer ids", convert)
+
+
+def gpu_share() -> Check:
+    def convert(value):
+        return None if value is None else gpu_areas.check_share(value)
+
+    return Check("list of torch's CUDA IPC handle fields or nil", convert)
 
 
 def mapping() -> Check:
@@ -219,6 +227,11 @@ class Attach:
     KIND: ClassVar[Kind] = Kind.ATTACH
     call_id: int = wire(CALL_ID)
     capacity: int = wire(integer(1, MAX_SEGMENT_BYTES), "bytes of its input and of its output area")
+    gpu: str | None = wire(
+        text(64, optional=True),
+        "UUID of the client's GPU: areas there if the executor computes on it",
+        default=None,
+    )
 
 
 @dataclass(frozen=True)
@@ -229,6 +242,12 @@ class Ok:
     call_id: int = wire(CALL_ID)
     segment: str | None = wire(
         text(MAX_TEXT, optional=True), "/proc/<executor pid>/fd/<n>, sealed", default=None
+    )
+    gpu_areas: list | None = wire(
+        gpu_share(),
+        "CUDA IPC handle of the areas on the client's GPU (then the segment holds only "
+        "the control block; symbiont.protocol.gpu_areas)",
+        default=None,
     )
 
 

@@ -21,6 +21,8 @@ Layout (offsets in bytes):
     256+c output area  y [rows, width_out]    (capacity bytes; a fused call's outputs
                                               follow one another)
 An experts op packs its tensors in each area as `symbiont.protocol.experts` lays them out.
+When client and executor compute on the same GPU, the two areas live on that GPU instead
+(`symbiont.protocol.gpu_areas`: CUDA IPC) and the segment is the control block alone.
 
 A call moves no tensor bytes through the socket: the client copies x into the input
 area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_SEQ,
@@ -58,6 +60,7 @@ import stat
 
 import torch
 
+from symbiont.protocol import gpu_areas
 from symbiont.protocol.executor import DTYPES, MAX_FUSED, Code, Op, ProtocolError
 
 REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
@@ -84,19 +87,33 @@ AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 class Segment:
     """A mapped segment with a control block and input/output areas of `capacity` bytes."""
 
-    def __init__(self, path: str, fd: int, capacity: int, keep_fd: bool = False):
+    def __init__(
+        self,
+        path: str,
+        fd: int,
+        capacity: int,
+        keep_fd: bool = False,
+        gpu_area: torch.Tensor | None = None,
+    ):
         self.path = path
         self.capacity = capacity
-        self.size = HEADER_BYTES + 2 * capacity
+        # With areas on the GPU (gpu_area: uint8 [2 * capacity]) the host segment is the
+        # control block alone.
+        self.size = HEADER_BYTES + (0 if gpu_area is not None else 2 * capacity)
         self._map = mmap.mmap(fd, self.size)
         self.fd = fd if keep_fd else None  # the owner keeps it open for the client to open
         if not keep_fd:
             os.close(fd)
         self.ctrl = memoryview(self._map)[:HEADER_BYTES].cast("q")
-        with torch.inference_mode(False):  # see `_view`
-            raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
-        self._out = raw[HEADER_BYTES + capacity :]
+        if gpu_area is None:
+            with torch.inference_mode(False):  # see `_view`
+                raw = torch.frombuffer(self._map, dtype=torch.uint8)
+            self._in = raw[HEADER_BYTES : HEADER_BYTES + capacity]
+            self._out = raw[HEADER_BYTES + capacity :]
+        else:
+            self._in, self._out = gpu_area[:capacity], gpu_area[capacity:]
+        self.gpu_area = gpu_area
+        self.gpu_share: list | None = None  # executor side: the handle sent in OK
         self._views: dict[tuple, torch.Tensor] = {}
         self._doorbell: int | None = None  # client side: the executor's wake-up pipe
         # The pipe that wakes the client: the executor holds both ends (so it never opens
@@ -106,27 +123,31 @@ class Segment:
         self._bell_poll = None  # client side: a poll object on _bell_r, made on first sleep
 
     @classmethod
-    def create(cls, capacity: int) -> Segment:
+    def create(cls, capacity: int, gpu: torch.device | None = None) -> Segment:
         """A new sealed segment (executor side): it cannot shrink or grow, whoever opens it.
-        `path` is where a same-user process on this host opens it."""
+        `path` is where a same-user process on this host opens it. With `gpu`, its areas
+        are allocated on that GPU and `gpu_share` is the handle the client opens them by."""
         if not AVAILABLE:
             raise OSError("shared memory needs Linux memfd sealing: use frames (mode='zmq')")
+        area, share = gpu_areas.allocate(gpu, 2 * capacity) if gpu is not None else (None, None)
         fd = os.memfd_create("symbiont", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, HEADER_BYTES + 2 * capacity)
+            os.ftruncate(fd, HEADER_BYTES + (0 if gpu is not None else 2 * capacity))
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            segment = cls(f"/proc/{os.getpid()}/fd/{fd}", fd, capacity, keep_fd=True)
+            segment = cls(f"/proc/{os.getpid()}/fd/{fd}", fd, capacity, keep_fd=True, gpu_area=area)
         except BaseException:
             os.close(fd)
             raise
+        segment.gpu_share = share
         segment._bell_r, segment._bell_w = os.pipe()
         os.set_blocking(segment._bell_w, False)
         segment.ctrl[CLIENT_BELL] = segment._bell_r
         return segment
 
     @classmethod
-    def open(cls, path: str, capacity: int) -> Segment:
-        """Map the segment the executor created for us (client side)."""
+    def open(cls, path: str, capacity: int, gpu: tuple[int, list] | None = None) -> Segment:
+        """Map the segment the executor created for us (client side); `gpu`: (our index of
+        the executor's GPU, the handle of the areas it put there)."""
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as err:
@@ -136,10 +157,21 @@ class Segment:
                 "user (use mode='zmq')"
             ) from None
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != HEADER_BYTES + 2 * capacity:
+        size = HEADER_BYTES + (0 if gpu is not None else 2 * capacity)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             os.close(fd)
             raise ValueError(f"shared-memory segment {path} has size {info.st_size}")
-        return cls(path, fd, capacity)
+        try:
+            area = gpu_areas.open_shared(*gpu, 2 * capacity) if gpu is not None else None
+        except (RuntimeError, ValueError) as err:
+            os.close(fd)
+            raise ValueError(f"cannot open the executor's GPU areas: {err}") from None
+        return cls(path, fd, capacity, gpu_area=area)
+
+    def settle(self) -> None:
+        """Make this thread's writes to GPU areas visible before bumping a sequence number
+        (nothing to do for host areas: stores to them are seen in order)."""
+        gpu_areas.settle(self.gpu_area)
 
     def input(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
         """View of the input area as [rows, cols] (cached: decode repeats a few shapes)."""
@@ -243,7 +275,7 @@ class Segment:
                 os.close(fd)
                 setattr(self, name, None)
         self.ctrl.release()
-        self._in = self._out = None
+        self._in = self._out = self.gpu_area = None
         self._views.clear()
         # Tensors made by torch.frombuffer do not pin the mapping: it goes now, and a view
         # still in use would then read unmapped memory. The executor closes a segment only

@@ -14,8 +14,8 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 | 3 CALL | call_id, op, layer, rows, cols, dtype, fused?, top_k?, weights_dtype? | x `[rows, cols]`, or packed experts tensors (none if sent in DATA parts) | client -> executor |
 | 4 RESULT | call_id, rows, cols | y `[rows, cols]`, or packed experts tensors | executor -> client |
 | 5 ERROR | call_id, code, message |  | executor -> client |
-| 6 ATTACH | call_id, capacity |  | client -> executor |
-| 7 OK | call_id, segment? |  | executor -> client |
+| 6 ATTACH | call_id, capacity, gpu? |  | client -> executor |
+| 7 OK | call_id, segment?, gpu_areas? |  | executor -> client |
 | 8 RING | seq |  | either way |
 | 9 STATS | call_id, token? |  | anyone -> executor |
 | 10 STATS_REPLY | call_id, stats |  | executor -> asker |
@@ -114,6 +114,9 @@ def encode_fields(kind: int, **fields) -> bytes:
     return msgpack.packb({"kind": kind, **fields}, use_bin_type=True)
 
 
+_FIELD_NAMES = {kind: {"kind", *(entry[0] for entry in schema)} for kind, schema in SCHEMAS.items()}
+
+
 def decode(frame) -> Message:
     """The message in a header frame; raises ProtocolError naming the first bad field."""
     if len(frame) > MAX_HEADER_BYTES:
@@ -130,17 +133,17 @@ def decode(frame) -> Message:
     kind = Kind(kind)
     call_id = data.get("call_id")
     call_id = call_id if type(call_id) is int and 0 <= call_id <= MAX_ID else 0
+    if kind is Kind.HELLO:  # first: another version may have other fields
+        _check_version(data.get("protocol"), call_id)
     schema = SCHEMAS[kind]
-    if len(data) > len(schema) + 1:
-        known = {entry[0] for entry in schema}
-        extra = sorted(str(k) for k in data if k != "kind" and k not in known)
+    known = _FIELD_NAMES[kind]
+    if not known.issuperset(data.keys()):  # any unknown field, also in place of a known one
+        extra = sorted(str(k) for k in data if k not in known)
         raise ProtocolError(
             Code.BAD_MESSAGE,
-            f"{kind.name} has unknown fields {extra[:5]}; its fields are {sorted(known)}",
+            f"{kind.name} has unknown fields {extra[:5]}; its fields are {sorted(known - {'kind'})}",
             call_id,
         )
-    if kind is Kind.HELLO:
-        _check_version(data.get("protocol"), call_id)
     values = {}
     for name, check, required, default in schema:
         if name not in data:

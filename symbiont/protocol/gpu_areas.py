@@ -1,0 +1,100 @@
+"""A shared-memory segment's input and output areas on the GPU (CUDA IPC).
+
+When a client computes on the very GPU the executor computes on, copying each call's
+tensors to the host segment and back costs four transfers over PCIe and two device
+syncs per call. Instead the executor allocates the two areas on its GPU and hands the
+client a CUDA IPC handle to them in its OK; the control block stays in host memory (the
+client posts calls and spins on it as before). Each side makes its writes visible before
+it bumps its sequence number (`settle`): the client after copying x in, the executor
+after writing y out. Nothing else changes: the same views, checks and batching.
+
+The GPU is matched by UUID, not by index: `cuda:0` of a client started with
+CUDA_VISIBLE_DEVICES=1 is the host's second GPU. A client on another GPU, or on the
+CPU, gets host areas.
+
+The handle is what `torch.multiprocessing` sends for a CUDA tensor (`_share_cuda_`),
+sent here as typed msgpack fields, never pickled. The executor owns the memory: a client
+only maps it, and torch keeps it allocated until every process that mapped it let go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The fields of torch's CUDA storage handle, in `_share_cuda_`'s order after the device
+# index (which is not sent: each side names its own index of the one GPU).
+SHARE_FIELDS = (
+    "handle",  # bytes: the allocation's cudaIpcMemHandle (and torch's metadata)
+    "size_bytes",  # int
+    "offset_bytes",  # int: where the areas start inside that allocation
+    "ref_counter",  # bytes: name of torch's shared reference-count file
+    "ref_counter_offset",  # int
+    "event_handle",  # bytes: cudaIpcEventHandle of the allocation's last use
+    "event_sync_required",  # bool
+)
+MAX_HANDLE_BYTES = 1024
+
+
+def uuid_of(device) -> str | None:
+    """The UUID of a CUDA device (None for any other device, or without CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def index_of(uuid: str) -> int | None:
+    """This process's index of the GPU with that UUID, if it sees that GPU."""
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    return None
+
+
+def allocate(device: torch.device, nbytes: int) -> tuple[torch.Tensor, list]:
+    """Executor side: `nbytes` of GPU memory (uint8) and the handle a client opens it by."""
+    area = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    shared = area.untyped_storage()._share_cuda_()
+    # (device index, handle, size, offset, ref counter, its offset, event, sync required)
+    return area, list(shared[1:])
+
+
+def open_shared(index: int, share: list, nbytes: int) -> torch.Tensor:
+    """Client side: the executor's `nbytes` areas on our GPU `index` (uint8 [nbytes])."""
+    if len(share) != len(SHARE_FIELDS):
+        raise ValueError(f"a GPU area handle has {len(SHARE_FIELDS)} fields, got {len(share)}")
+    handle, size, offset, counter, counter_offset, event, sync = share
+    if size < nbytes:
+        raise ValueError(f"the executor's GPU areas hold {size} bytes, {nbytes} expected")
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, handle, size, offset, counter, counter_offset, event, sync
+    )
+    area = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+    return area.set_(storage, 0, (nbytes,), (1,))
+
+
+def settle(area: torch.Tensor | None) -> None:
+    """Wait until this thread's queued GPU work is done, so the other process reads what
+    we wrote (and may overwrite what we read) once it sees the next sequence number."""
+    if area is not None and area.is_cuda:
+        torch.cuda.current_stream(area.device).synchronize()
+
+
+def check_share(value) -> list:
+    """The wire check of a handle: raises ValueError unless it has SHARE_FIELDS' types."""
+    if type(value) is not list or len(value) != len(SHARE_FIELDS):
+        raise ValueError
+    handle, size, offset, counter, counter_offset, event, sync = value
+    for blob in (handle, counter, event):
+        if not (type(blob) is bytes and len(blob) <= MAX_HANDLE_BYTES or blob is None):
+            raise ValueError
+    for number in (size, offset, counter_offset):
+        if type(number) is not int or not 0 <= number < 1 << 62:
+            raise ValueError
+    if type(sync) is not bool:
+        raise ValueError
+    return value
