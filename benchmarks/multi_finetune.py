@@ -36,13 +36,31 @@ For the split it also prints where a client's step goes: time inside executor ca
 (the client's clock) split into the executor's matmuls, waiting in its queue for batch
 partners, and the rest (transport and Python on both sides), against the client's own
 compute. The models are Llamas built from config with random weights (no download).
+
+`--device cuda` puts every arm's weights on the GPU: vanilla and private jobs move their
+model there (each process its own copy), serve-base runs with `--device cuda` (one copy)
+and each symbiont client holds its own few tensors (embeddings, norms, LoRA) there. Each
+arm's GPU memory is then sampled too, every 0.5 s, from `nvidia-smi --query-compute-apps`:
+the peak of the sum of its processes' used memory, which includes each process's CUDA
+context (a few hundred MiB per process: a real cost of every process on the GPU). Where
+nvidia-smi is missing or does not list these pids (another pid namespace, in some
+containers) the report falls back to the jobs' `torch.cuda.max_memory_reserved()`
+(without the CUDA context; serve-base's own figure is then unknown) and says so. Each
+job always records torch's max allocated and reserved bytes, printed as a second figure,
+and the GPUs' total memory.used (over its reading before the arm starts) is a third.
+
+    python benchmarks/multi_finetune.py --device cuda --model 100m --jobs 1,4 --steps 3 \
+        --arms vanilla,symbiont
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 import threading
@@ -86,7 +104,8 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, timer = _load(args)
+    device = torch.device(args.device)
+    model, timer = _load(args, device)
     targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets)
     model = peft.get_peft_model(model, config)
@@ -95,21 +114,51 @@ def worker(args) -> None:
     vocab = model.config.vocab_size
 
     def step() -> int:
-        ids = torch.randint(0, vocab, (args.batch, args.seq))  # [batch, seq]
+        ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)  # [batch, seq]
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return ids.numel()
 
     step()  # warm-up: allocator, optimizer state
+    _sync(device)
     Path(args.ready).write_text("ready")
     while not Path(args.go).exists():
         time.sleep(0.01)
     timer.reset()
     start = time.time()
     tokens = sum(step() for _ in range(args.steps))
+    _sync(device)  # CUDA queues kernels: the steps are done once the GPU has run them
     record = {"tokens": tokens, "t_start": start, "t_end": time.time(), **timer.totals()}
+    record.update(_torch_gpu_memory(device))
     Path(args.result).write_text(json.dumps(record))
+    if args.hold:  # stay until the supervisor has taken a last GPU memory sample
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while not Path(args.hold).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+HOLD_TIMEOUT_S = 120.0  # a held worker exits by itself after this
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _torch_gpu_memory(device) -> dict:
+    """torch's peak allocated and reserved bytes on `device` (None on the CPU). Reserved
+    is what the caching allocator holds; neither counts the CUDA context."""
+    import torch
+
+    if device.type != "cuda":
+        return {"gpu_allocated": None, "gpu_reserved": None}
+    return {
+        "gpu_allocated": torch.cuda.max_memory_allocated(device),
+        "gpu_reserved": torch.cuda.max_memory_reserved(device),
+    }
 
 
 class CallTimer:
@@ -137,24 +186,43 @@ class CallTimer:
         return {"call_s": self.seconds, "calls": self.calls}
 
 
-def _load(args):
+def _load(args, device):
     import torch
 
     if args.mode in ("vanilla", "private"):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        return model, CallTimer()
+        return model.to(device), CallTimer()
     import symbiont
 
     if args.mode in IN_PROCESS:
-        executor = symbiont.BaseExecutor.from_pretrained(args.model)
+        executor = symbiont.BaseExecutor.from_pretrained(args.model, device=device)
         executor.fuses_calls = args.mode == "inprocess"
-        return symbiont.load_client(args.model, executor), CallTimer(executor)
+        model = symbiont.load_client(args.model, executor, device=device)
+        return model, CallTimer(executor)
     options = {} if args.spin_us is None else {"spin_us": args.spin_us}
+    if not args.host_areas:
+        options.update(_connect_device(device))
     executor = symbiont.connect(args.executor, **options)
     timer = CallTimer(executor)
-    return symbiont.load_client(args.model, executor), timer
+    return symbiont.load_client(args.model, executor, device=device), timer
+
+
+def _connect_device(device) -> dict:
+    """{"device": ...} for `symbiont.connect` where it takes that option (a named
+    parameter or a ClientConfig field), off the CPU; else nothing."""
+    import dataclasses
+    import inspect
+
+    from symbiont.client import remote
+
+    if str(device) == "cpu":
+        return {}
+    parameter = inspect.signature(remote.connect).parameters.get("device")
+    named = parameter is not None and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    fields = {f.name for f in dataclasses.fields(remote.ClientConfig)}
+    return {"device": str(device)} if named or "device" in fields else {}
 
 
 # --------------------------------------------------------------------------- memory
@@ -200,6 +268,160 @@ class PssSampler:
             self._stop.wait(self.interval_s)
 
 
+GPU_INTERVAL_S = 0.5  # nvidia-smi sampling period (it reads the driver, stalls no process)
+APPS_QUERY = ("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+TOTAL_QUERY = ("--query-gpu=memory.used", "--format=csv,noheader,nounits")
+
+
+def parse_compute_apps(text: str) -> dict[int, int]:
+    """MiB per pid from `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,
+    noheader,nounits` ("PID, MiB" lines; a pid on several GPUs is summed). Anything else
+    is skipped: a header, '[N/A]' or '[Not Supported]' values, blank or other lines."""
+    usage: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = line.split(",")
+        if len(fields) != 2:
+            continue
+        pid, mib = _whole(fields[0]), _mib(fields[1])
+        if pid is not None and pid > 0 and mib is not None:
+            usage[pid] = usage.get(pid, 0) + mib
+    return usage
+
+
+def parse_total_used(text: str) -> int | None:
+    """MiB used over all GPUs from `nvidia-smi --query-gpu=memory.used --format=csv,
+    noheader,nounits` (one line per GPU); None when no line is a number."""
+    values = [v for v in (_mib(line) for line in text.splitlines()) if v is not None]
+    return sum(values) if values else None
+
+
+def _mib(text: str) -> int | None:
+    text = text.strip()
+    text = text.removesuffix("MiB").strip()  # in case the units were left on
+    try:
+        value = round(float(text))
+    except (ValueError, OverflowError):  # '[N/A]', '[Not Supported]', a header, 'inf'
+        return None
+    return value if value >= 0 else None
+
+
+def _whole(text: str) -> int | None:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
+class GpuSampler:
+    """GPU memory of a changing set of processes, from nvidia-smi every `interval_s`:
+    the peak of their per-process used memory summed (MiB; None while nvidia-smi has
+    listed none of them), each process's peak, and the peak of the GPUs' total
+    memory.used over its reading when sampling began (None: no reading)."""
+
+    def __init__(self, command: str = "nvidia-smi", interval_s: float = GPU_INTERVAL_S):
+        self.command = shlex.split(command)
+        self.interval_s = interval_s
+        self.pids: list[int] = []
+        self.peak_total: int | None = None
+        self.peaks: dict[int, int] = {}
+        self.baseline: int | None = None
+        self.peak_device: int | None = None
+        self.error: str | None = None  # why nvidia-smi gave nothing, the last time
+        self._missing = False  # no nvidia-smi: stop trying
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuSampler:
+        self.baseline = parse_total_used(self._query(TOTAL_QUERY))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watch(self, pid: int) -> None:
+        self.pids = [*self.pids, pid]
+
+    def sample(self) -> None:
+        """One reading now (the sampling thread calls this too)."""
+        with self._lock:
+            apps = parse_compute_apps(self._query(APPS_QUERY))
+            total = parse_total_used(self._query(TOTAL_QUERY))
+            pids = self.pids
+            listed = [pid for pid in pids if pid in apps]
+            if listed:
+                self.peak_total = max(self.peak_total or 0, sum(apps[pid] for pid in listed))
+                for pid in listed:
+                    self.peaks[pid] = max(self.peaks.get(pid, 0), apps[pid])
+            if total is not None and self.baseline is not None:
+                self.peak_device = max(self.peak_device or 0, total - self.baseline)
+
+    def _query(self, query: tuple[str, ...]) -> str:
+        if self._missing or not self.command:
+            return ""
+        try:
+            done = subprocess.run(
+                [*self.command, *query], capture_output=True, text=True, timeout=10
+            )
+        except FileNotFoundError:
+            self._missing, self.error = True, f"{self.command[0]} not found"
+            return ""
+        except (OSError, subprocess.SubprocessError) as err:
+            self.error = f"{self.command[0]}: {err}"
+            return ""
+        if done.returncode:
+            why = (done.stderr or done.stdout).strip().splitlines()
+            self.error = f"{self.command[0]} exit {done.returncode}: {why[0] if why else ''}"
+            return ""
+        return done.stdout
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One arm's GPU memory (MiB from nvidia-smi, bytes from torch; None: not known)."""
+
+    total_mib: int | None  # peak of the per-process used memory summed over the arm
+    executor_mib: int | None  # serve-base's peak
+    per_job_mib: float | None  # mean peak of one job process
+    device_mib: int | None  # peak of the GPUs' memory.used over its reading before the arm
+    allocated: int | None  # jobs' torch max_memory_allocated, summed
+    reserved: int | None  # jobs' torch max_memory_reserved, summed
+    error: str | None = None  # why nvidia-smi gave nothing
+
+
+def _gpu_memory(gpu: GpuSampler, workers, base, results: list[dict]) -> GpuMemory:
+    """The arm's figures; its nvidia-smi sum only if nvidia-smi listed every one of its
+    processes at some point (a process is not listed before it starts using CUDA)."""
+    pids = [w.pid for w in workers] + ([base.pid] if base else [])
+    seen = [pid for pid in pids if pid in gpu.peaks]
+    jobs_seen = [gpu.peaks[w.pid] for w in workers if w.pid in gpu.peaks]
+    error = gpu.error
+    if len(seen) < len(pids):
+        why = f"it listed {len(seen)} of the arm's {len(pids)} processes"
+        error = f"{why} ({error})" if error else why
+
+    def summed(key: str) -> int | None:
+        values = [r.get(key) for r in results]
+        return None if None in values else sum(values)
+
+    return GpuMemory(
+        gpu.peak_total if len(seen) == len(pids) else None,
+        gpu.peaks.get(base.pid) if base else None,
+        sum(jobs_seen) / len(jobs_seen) if jobs_seen else None,
+        gpu.peak_device,
+        summed("gpu_allocated"),
+        summed("gpu_reserved"),
+        error,
+    )
+
+
 # --------------------------------------------------------------------------- orchestration
 
 
@@ -212,6 +434,7 @@ class Outcome:
     executor_pss: int  # symbiont only: peak PSS of the serve-base process
     per_job_pss: float  # mean peak PSS of one job process
     profile: dict = field(default_factory=dict)  # symbiont only: where a step goes
+    gpu: GpuMemory | None = None  # when GPU memory is measured (--device cuda)
 
 
 def build_models(folder: Path, config: dict) -> tuple[Path, Path]:
@@ -236,20 +459,25 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
     run_dir = Path(tempfile.mkdtemp(prefix=f"{arm}-{n}-", dir=work))
     model_dir = models[1] if arm == "private" else models[0]
     started, base, url = [], None, None
-    with PssSampler() as sampler:
+    gpu = GpuSampler(args.nvidia_smi) if _measures_gpu(args) else None
+    with PssSampler() as sampler, gpu or contextlib.nullcontext():
+        samplers = [s for s in (sampler, gpu) if s is not None]
         try:
             if arm == "symbiont":
                 server = jobs.ServerProcess(
                     model_dir, bind=("tcp://127.0.0.1:*",), workdir=run_dir,
-                    threads=args.executor_threads, args=_policy_flags(args),
+                    threads=args.executor_threads,
+                    args=[*_policy_flags(args), "--device", args.device],
                 ).start()  # fmt: skip
                 base, url = server.job, server.url("tcp")
                 started.append(base)
-                sampler.watch(base.pid)
+                for s in samplers:
+                    s.watch(base.pid)
             workers = []
             for i in range(n):
                 workers.append(_spawn_worker(arm, i, model_dir, url, run_dir, args))
-                sampler.watch(workers[-1].pid)
+                for s in samplers:
+                    s.watch(workers[-1].pid)
             started += workers
             _barrier(workers, run_dir, n)
             before = _executor_stats(url) if url else None
@@ -260,6 +488,10 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
             # step of the same shapes), so the measured steps are sampled sparsely.
             sampler.interval_s = MEASURED_PSS_INTERVAL_S
             (run_dir / "go").write_text("go")
+            if gpu is not None:  # held workers wait for a last sample before they exit
+                _await_results(workers, run_dir, n)
+                gpu.sample()
+                (run_dir / "exit").write_text("exit")
             for job in workers:
                 jobs.check(jobs.reap(job))
             after = _executor_stats(url) if url else None
@@ -277,7 +509,13 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
         sampler.peaks.get(base.pid, 0) if base else 0,
         sum(job_pss) / n,
         _profile(results, before, after, window, args) if url else {},
+        _gpu_memory(gpu, workers, base, results) if gpu is not None else None,
     )
+
+
+def _measures_gpu(args) -> bool:
+    """GPU memory is sampled off the CPU (and with the hidden --gpu-memory, for tests)."""
+    return args.device != "cpu" or args.gpu_memory
 
 
 def _policy_flags(args) -> list[str]:
@@ -347,25 +585,49 @@ def _spawn_worker(arm, i, model_dir, url, run_dir, args):
         argv += ["--executor", url]
     if args.spin_us is not None:
         argv += ["--spin-us", str(args.spin_us)]
-    name, env = f"{arm}-worker-{i}", {"PYTHONPATH": str(REPO)}
+    argv += ["--device", args.device]
+    if args.host_areas:
+        argv += ["--host-areas"]
+    if _measures_gpu(args):
+        argv += ["--hold", str(run_dir / "exit")]
+    # The repository first, then whatever the caller put on the path (wheels installed
+    # elsewhere, say).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    name, env = f"{arm}-worker-{i}", {"PYTHONPATH": path}
     threads = args.worker_threads
     return processes.spawn(name, [], run_dir, threads=threads, python=argv, env=env)
 
 
 def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
+    _await_files(workers, run_dir, [f"ready-{i}" for i in range(n)], "ready", timeout_s)
+
+
+def _await_results(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
+    names = [f"result-{i}.json" for i in range(n)]
+    _await_files(workers, run_dir, names, "done", timeout_s)
+
+
+def _await_files(workers, run_dir: Path, names: list[str], what: str, timeout_s: float) -> None:
+    """Wait until every file in `names` exists in run_dir; raise if a worker fails first."""
     from symbiont import processes as jobs
 
     deadline = time.monotonic() + timeout_s
-    while sum((run_dir / f"ready-{i}").exists() for i in range(n)) < n:
+    while sum((run_dir / name).exists() for name in names) < len(names):
         for job in workers:
             if jobs.finished(job):
                 jobs.check(job)
+        if all(jobs.finished(job) for job in workers) and not all(
+            (run_dir / name).exists() for name in names
+        ):
+            raise RuntimeError(f"workers exited before all were {what}; see {run_dir}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"workers not ready after {timeout_s}s; see {run_dir}")
+            raise RuntimeError(f"workers not {what} after {timeout_s}s; see {run_dir}")
         time.sleep(0.05)
 
 
-def report(rows: list[dict[str, Outcome]], args) -> str:
+def report(rows: list[dict[str, Outcome]], args, base_bytes: int | None = None) -> str:
+    """The tables; GPU memory too when it was measured (base_bytes: the size of the
+    base's linear weights, named where serve-base's GPU memory is unknown)."""
     gib = 2**30
     arms = [a for a in ARMS if a in rows[0]]
     head = f"{'N':>3} " + " ".join(f"{a + ' tok/s':>15}" for a in arms)
@@ -429,7 +691,104 @@ def report(rows: list[dict[str, Outcome]], args) -> str:
                     for row in rows
                 )
             )
+    if rows[0][arms[0]].gpu is not None:
+        lines += ["", *gpu_report(rows, arms, base_bytes)]
     return "\n".join(lines)
+
+
+def gpu_report(rows: list[dict[str, Outcome]], arms: list[str], base_bytes: int | None) -> list:
+    """GPU memory per arm and N, from nvidia-smi where it listed every process, else
+    from torch (the report says which), with the other figures as cross-checks."""
+    mib, gib = 2**20, 2**30
+    outcomes = [row[a] for row in rows for a in arms]
+    from_smi = all(o.gpu.total_mib is not None for o in outcomes)
+    baselines = [a for a in arms if a in ("vanilla", "private")]
+    ratios = baselines if "symbiont" in arms else []
+
+    def figure(o: Outcome) -> tuple[str, float | None]:
+        """(cell, GiB or None when not wholly known)."""
+        if from_smi:
+            return f"{o.gpu.total_mib * mib / gib:.2f}", o.gpu.total_mib * mib / gib
+        if o.gpu.reserved is None:
+            return "?", None
+        value = o.gpu.reserved / gib
+        if o.arm == "symbiont":  # serve-base's share is unknown
+            return f"{value:.2f}+?", None
+        return f"{value:.2f}", value
+
+    if from_smi:
+        lines = [
+            "GPU memory, GiB (source: nvidia-smi --query-compute-apps used_memory): peak over "
+            "the run of the sum over each arm's processes (serve-base and jobs); it includes "
+            "each process's CUDA context, a real cost of every process on the GPU"
+        ]
+    else:
+        why = next((o.gpu.error for o in outcomes if o.gpu.error), "no figures")
+        weights = f" (its base weights alone: {base_bytes / gib:.2f} GiB)" if base_bytes else ""
+        lines = [
+            f"GPU memory, GiB (source: torch.cuda.max_memory_reserved of each job, summed; "
+            f"no nvidia-smi figures: {why}): this excludes each process's CUDA context, and "
+            f"serve-base's GPU memory is unknown{weights}, so symbiont's figure is its jobs' "
+            "only (+?)"
+        ]
+    head = f"{'N':>3} " + " ".join(f"{a + ' GPU':>13}" for a in arms)
+    head += "".join(f" {'gpu/' + b:>12}" for b in ratios)
+    lines.append(head)
+    for row in rows:
+        line = f"{row[arms[0]].jobs:>3} " + " ".join(f"{figure(row[a])[0]:>13}" for a in arms)
+        for b in ratios:
+            s, base = figure(row["symbiont"])[1], figure(row[b])[1]
+            line += f" {s / base:>11.2f}x" if s is not None and base else f" {'n/a':>12}"
+        lines.append(line)
+    last = rows[-1]
+    if from_smi:
+        parts = []
+        for a in arms:
+            g = last[a].gpu
+            part = f"{a} {_gib(g.per_job_mib, mib)} GiB per job"
+            if a == "symbiont":
+                part += f", serve-base {_gib(g.executor_mib, mib)} GiB"
+            parts.append(part)
+        lines.append(f"per process at N={last[arms[0]].jobs} (GPU): " + "; ".join(parts))
+    if all(o.gpu.device_mib is not None for o in outcomes):
+        lines.append(
+            "GPUs' memory.used over its reading before each arm, GiB (all processes on the GPUs;"
+            " a cross-check): "
+            + "; ".join(
+                f"N={row[arms[0]].jobs}: "
+                + ", ".join(f"{a} {_gib(row[a].gpu.device_mib, mib)}" for a in arms)
+                + "".join(
+                    f", symbiont/{b} {row['symbiont'].gpu.device_mib / row[b].gpu.device_mib:.2f}x"
+                    for b in ratios
+                    if row[b].gpu.device_mib
+                )
+                for row in rows
+            )
+        )
+    if any(o.gpu.reserved is not None for o in outcomes):
+        lines.append(
+            "torch per job, max allocated / max reserved GiB (no CUDA context; serve-base not "
+            "included): "
+            + "; ".join(
+                f"N={row[arms[0]].jobs}: "
+                + ", ".join(
+                    f"{a} {_gib(_per_job(row[a].gpu.allocated, row[a].jobs), 1)}/"
+                    f"{_gib(_per_job(row[a].gpu.reserved, row[a].jobs), 1)}"
+                    for a in arms
+                )
+                for row in rows
+            )
+        )
+    return lines
+
+
+def _per_job(total: int | None, jobs: int) -> float | None:
+    return None if total is None else total / jobs
+
+
+def _gib(value: float | None, unit: int) -> str:
+    """`value` units as GiB, or '?'."""
+    return "?" if value is None else f"{value * unit / 2**30:.2f}"
 
 
 def main(argv=None) -> int:
@@ -444,6 +803,9 @@ def main(argv=None) -> int:
     w.add_argument("--spin-us", type=float, default=None)
     w.add_argument("--rank", type=int, default=8)
     w.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    w.add_argument("--device", default="cpu")
+    w.add_argument("--hold", default=None, help="after the result, wait for this file")
+    w.add_argument("--host-areas", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS), default="100m")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"some of {','.join(ARMS)}")
     parser.add_argument("--jobs", default="1,2,4", help="comma-separated N values")
@@ -468,9 +830,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--executor-workers",
         type=int,
-        default=len(os.sched_getaffinity(0)),
+        default=None,
         help="serve-base --workers: batches computed at once, each on a thread of its own "
-        "(default: one per core; 1 is serve-base's default)",
+        "(default: one per core; with --device cuda 1, serve-base's default, as batches "
+        "queue on one GPU anyway)",
     )
     parser.add_argument(
         "--spin-us",
@@ -489,6 +852,22 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--work", default=None, help="folder for the models and logs")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where every arm's weights and each job's model live: cpu (default) or cuda; "
+        "cuda also measures each arm's GPU memory (nvidia-smi per process)",
+    )
+    parser.add_argument(
+        "--host-areas",
+        action="store_true",
+        help="with --device cuda: do not pass device= to symbiont.connect (where it takes "
+        "it), so calls' tensors cross through host shared memory, not areas on the GPU",
+    )
+    # For testing the GPU memory path without a GPU: sample and report it on any device,
+    # with this nvidia-smi command (a script printing sample output).
+    parser.add_argument("--gpu-memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nvidia-smi", default="nvidia-smi", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--fusion-ab",
         type=int,
         default=0,
@@ -502,6 +881,12 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     if not arms or not set(arms) <= set(ARMS):
         parser.error(f"--arms takes some of {','.join(ARMS)}, got {args.arms!r}")
+    problem = _device_problem(args)
+    if problem:
+        print(f"{Path(__file__).name}: error: {problem}", file=sys.stderr)
+        return 2
+    if args.executor_workers is None:
+        args.executor_workers = len(os.sched_getaffinity(0)) if args.device == "cpu" else 1
     work = Path(args.work or tempfile.mkdtemp(prefix="multi-finetune-"))
     work.mkdir(parents=True, exist_ok=True)
     models = build_models(work / f"model-{args.model}", MODELS[args.model])
@@ -513,17 +898,70 @@ def main(argv=None) -> int:
         return 0
     print(f"model {args.model} ({_params(models[0]) / 1e6:.0f}M parameters, fp32); LoRA r="
           f"{args.rank} on {args.targets}; batch {args.batch} x seq {args.seq}, {args.steps} "
-          f"measured steps per job; {os.cpu_count()} cores", flush=True)  # fmt: skip
+          f"measured steps per job; {os.cpu_count()} cores{_device_note(args)}",
+          flush=True)  # fmt: skip
     rows = []
     for n in (int(x) for x in args.jobs.split(",")):
         row = {arm: run_one(arm, n, models, work, args) for arm in ARMS if arm in arms}
         rows.append(row)
         print(f"N={n}: " + " | ".join(
-            f"{a} {o.tokens_per_s:.1f} tok/s {o.peak_pss / 2**30:.2f} GiB" for a, o in row.items()
+            f"{a} {o.tokens_per_s:.1f} tok/s {o.peak_pss / 2**30:.2f} GiB{_gpu_note(o)}"
+            for a, o in row.items()
         ), flush=True)  # fmt: skip
     print()
-    print(report(rows, args))
+    base_bytes = _linear_bytes(models[0]) if _measures_gpu(args) else None
+    print(report(rows, args, base_bytes))
     return 0
+
+
+def _device_problem(args) -> str | None:
+    """Why --device cannot be used here (one line), or None."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        return f"--device {args.device!r} is not a device name (cpu, cuda, cuda:0)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {args.device}: this benchmark runs on cpu or cuda"
+    if device.type == "cpu":
+        return None
+    if args.fusion_ab:
+        return "--fusion-ab runs on the CPU only; leave out --device"
+    if not torch.cuda.is_available():
+        why = (
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU or driver"
+            if torch.version.cuda
+            else f"torch {torch.__version__} is a CPU-only build"
+        )
+        return f"--device {args.device}: CUDA is unavailable ({why}); leave out --device"
+    from symbiont.util.device import check_device
+
+    try:
+        check_device(args.device)  # e.g. cuda:3 on a machine with fewer GPUs
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _device_note(args) -> str:
+    if args.device == "cpu":
+        return ""
+    import torch
+
+    return f"; device {args.device} ({torch.cuda.get_device_name(torch.device(args.device))})"
+
+
+def _gpu_note(o: Outcome) -> str:
+    """The progress line's GPU figure: nvidia-smi's sum, else the jobs' torch reserved."""
+    if o.gpu is None:
+        return ""
+    if o.gpu.total_mib is not None:
+        return f" GPU {o.gpu.total_mib / 1024:.2f} GiB"
+    if o.gpu.reserved is not None:
+        extra = "+serve-base" if o.arm == "symbiont" else ""
+        return f" GPU {o.gpu.reserved / 2**30:.2f} GiB{extra} (torch reserved)"
+    return " GPU ?"
 
 
 def fusion_ab(args, model_dir: Path) -> str:
@@ -586,6 +1024,19 @@ def _params(model_dir: Path) -> int:
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         return sum(_numel(f, k) for k in f.keys())  # noqa: SIM118 - not a dict
+
+
+def _linear_bytes(model_dir: Path) -> int:
+    """Bytes of the checkpoint's matrices other than embeddings: roughly what serve-base
+    holds (the linear layers' weights, lm_head included)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(
+            4 * _numel(f, k)  # fp32
+            for k in f.keys()  # noqa: SIM118 - not a dict
+            if len(f.get_slice(k).get_shape()) == 2 and "embed" not in k
+        )
 
 
 def _numel(f, key) -> int:

@@ -6,6 +6,13 @@ process on a checkpoint with 512x512 projections and times one-token forward cal
 (and a 64-token call) through every transport, printing each as a ratio of in-process.
 
     python benchmarks/transport_overhead.py [--calls 3000]
+
+With `--device cuda` the executor (in-process and serve-base) computes on the GPU and x
+lives there too; the shared-memory transports are then host areas (x and y cross PCIe,
+as for a client on another GPU or mode='shm' without device) and CUDA IPC (the areas
+on the GPU both share: symbiont.protocol.gpu_areas).
+
+    python benchmarks/transport_overhead.py --device cuda --hidden 4096 --tokens 1,64,512
 """
 
 from __future__ import annotations
@@ -46,39 +53,64 @@ def time_calls(executor, layer: int, x: torch.Tensor, calls: int) -> float:
         executor.forward(layer, x)
     rounds = []
     for _ in range(5):
+        _sync(x)
         start = time.perf_counter()
         for _ in range(calls // 5):
             executor.forward(layer, x)
+        _sync(x)
         rounds.append((time.perf_counter() - start) / (calls // 5))
     return statistics.median(rounds)
+
+
+def _sync(x: torch.Tensor) -> None:
+    if x.is_cuda:  # queued kernels count: in-process calls return before they ran
+        torch.cuda.synchronize(x.device)
+
+
+EXPECTED = {"tcp": "zmq", "ipc": "zmq"}  # the transport each row names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", default="1,64", help="tokens per call, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    parser.add_argument("--device", default="cpu", help="where the executor computes (cpu, cuda)")
     args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this machine or torch build has no CUDA GPU")
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False
     folder = build_checkpoint(Path(tempfile.mkdtemp()) / "base", args.hidden)
-    local = symbiont.BaseExecutor.from_pretrained(folder)
+    local = symbiont.BaseExecutor.from_pretrained(folder, device=args.device)
     layer = local.manifest.layer_ids()["model.layers.0.self_attn.q_proj"]
+    where = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(
-        f"layer {args.hidden}x{args.hidden}, fp32, {args.calls} calls, torch threads {args.threads}"
+        f"layer {args.hidden}x{args.hidden}, fp32, {args.calls} calls, torch threads "
+        f"{args.threads}, executor and x on {where}"
     )
     print(f"{'transport':<12} {'tokens':>6} {'µs/call':>9} {'vs in-process':>14}")
-    with ServerProcess(folder, args=("--threads", args.threads)) as server:
+    serve_args = ("--threads", args.threads, "--device", args.device)
+    with ServerProcess(folder, args=serve_args) as server:
         transports = {
             "in-process": lambda: local,
             "tcp": lambda: symbiont.connect(server.url("tcp"), mode="zmq"),
             "ipc": lambda: symbiont.connect(server.url("ipc"), mode="zmq"),
             "shm": lambda: symbiont.connect(server.url("ipc"), mode="shm"),
         }
-        for tokens in (1, 64):
-            x = torch.randn(tokens, args.hidden)
+        if args.device != "cpu":
+            transports["cuda-ipc"] = lambda: symbiont.connect(
+                server.url("ipc"), mode="shm", device=args.device
+            )
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(tokens, args.hidden, device=args.device)
             baseline = None
             for name, open_executor in transports.items():
                 executor = open_executor()
+                got = getattr(executor, "transport", name)
+                if got != EXPECTED.get(name, name):  # e.g. no CUDA IPC: say so, not a figure
+                    raise SystemExit(f"{name}: the client's transport is {got}")
                 seconds = time_calls(executor, layer, x, args.calls)
                 baseline = baseline or seconds
                 print(f"{name:<12} {tokens:>6} {seconds * 1e6:>9.1f} {seconds / baseline:>13.1f}x")

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The checks and measurements that need a CUDA GPU, as one run (CI has no GPU; a lent
+# GPU machine runs this). Each step is bounded and runs whatever the previous one did;
+# logs go to $OUT (default: ./gpu-out).
+#
+#   bash benchmarks/gpu_checks.sh                 # all steps
+#   STEPS="tests transport" bash benchmarks/gpu_checks.sh
+#
+# Packages the machine lacks can come as wheels in .whl/ (ignored by git): they are
+# installed into /tmp/site first. Steps:
+#   tests      tests/test_gpu.py: every placement on the GPU against vanilla
+#   transport  benchmarks/transport_overhead.py --device cuda: CUDA IPC vs host areas
+#   roofline   benchmarks/gpu_roofline.py: base layers' time vs their memory roofline
+#   memory     benchmarks/multi_finetune.py --device cuda: N jobs' GPU memory, split vs not
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-tests transport roofline memory}
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+"$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+step() {  # name, seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
+    echo "=== $name ($(date +%T), at most ${limit}s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$OUT/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - start))s"
+}
+
+step tests 240 "$PY" -m pytest -q -x -rs tests/test_gpu.py
+step transport 120 "$PY" benchmarks/transport_overhead.py --device cuda --hidden 4096 \
+    --tokens 1,64,512 --calls 1000
+step roofline 150 "$PY" benchmarks/gpu_roofline.py --out "$OUT/roofline.json"
+step memory 240 "$PY" benchmarks/multi_finetune.py --device cuda --model 443m --jobs 1,4 \
+    --steps 3 --arms vanilla,symbiont
