@@ -41,9 +41,9 @@ step() {  # name, seconds, command...
     echo "=== $name: exit $rc after $((SECONDS - start))s"
 }
 
-step tests 240 "$PY" -m pytest -q -x -rs tests/test_gpu.py
-step transport 120 "$PY" benchmarks/transport_overhead.py --device cuda --hidden 4096 \
+step tests 180 "$PY" -m pytest -q -x -rs tests/test_gpu.py
+step transport 90 "$PY" benchmarks/transport_overhead.py --device cuda --hidden 4096 \
     --tokens 1,64,512 --calls 1000
-step roofline 150 "$PY" benchmarks/gpu_roofline.py --out "$OUT/roofline.json"
-step memory 240 "$PY" benchmarks/multi_finetune.py --device cuda --model 443m --jobs 1,4 \
+step roofline 120 "$PY" benchmarks/gpu_roofline.py --out "$OUT/roofline.json"
+step memory 180 "$PY" benchmarks/multi_finetune.py --device cuda --model 443m --jobs 1,4 \
     --steps 3 --arms vanilla,symbiont
