@@ -13,7 +13,7 @@ Method, all in one run on one GPU:
 2. Peak compute per dtype: a large square matmul (8192) in that dtype. float32 runs with
    TF32 off (`torch.backends.cuda.matmul.allow_tf32 = False`), so it is true fp32.
 3. The model: a random Llama of `benchmarks/peers/vllm_cpu.py`'s SIZES ('small', '100m',
-   '500m'), the same config as its `sized_checkpoint`, written to --work and loaded with
+   '500m'), or two decoder layers of Llama-2-7B's shapes ('7b-layers'), the same config as its `sized_checkpoint`, written to --work and loaded with
    `symbiont.BaseExecutor.from_pretrained(dir, device="cuda", dtype=...)`. It is built
    here without `sized_checkpoint` itself: that one takes its tokenizer and vocabulary
    from the default model, which a fresh machine first pretrains (about 50 s on CPU); the
@@ -66,7 +66,12 @@ import torch.nn.functional as F  # noqa: E402, N812 - torch's own alias
 
 SKIP_LINE = "skipped: needs a CUDA GPU (torch.cuda.is_available() is False)"
 TARGET = 1.3  # time <= TARGET x roofline
-MODELS = ("small", "100m", "500m")  # benchmarks/peers/vllm_cpu.py's SIZES
+MODELS = ("small", "100m", "500m", "7b-layers")  # vllm_cpu.py's SIZES, and LAYER_SIZES
+# Layers of a size a GPU is bought for: Llama-2-7B's shapes (hidden 4096, MLP 11008, 32
+# heads), two decoder layers of them (the roofline is per layer; 32 add nothing but time
+# to build). The 0.5B model's layers take 1-6 us at the memory roofline of an H100, less
+# than one kernel launch.
+LAYER_SIZES = {"7b-layers": (4096, 11008, 2, 32, 32)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_DTYPES = ("bfloat16", "float32")
 # Spec memory bandwidth (bytes/s) by device name: every word of a key must be in the name
@@ -463,7 +468,7 @@ def model_sizes() -> dict[str, tuple[int, ...]]:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "SIZES" for t in node.targets
         ):
-            return ast.literal_eval(node.value)
+            return ast.literal_eval(node.value) | LAYER_SIZES
     raise RuntimeError("benchmarks/peers/vllm_cpu.py has no SIZES")
 
 

@@ -498,7 +498,8 @@ def generate(
 
     class _Stop(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-            return torch.full((input_ids.shape[0],), decoder.should_stop(input_ids))
+            stop = decoder.should_stop(input_ids)
+            return torch.full((input_ids.shape[0],), stop, device=input_ids.device)
 
     started = time.perf_counter()
     with torch.no_grad():
