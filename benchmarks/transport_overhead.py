@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,64", help="tokens per call, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     parser.add_argument("--device", default="cpu", help="where the executor computes (cpu, cuda)")
+    parser.add_argument(
+        "--transports", default=None, help="only these rows, comma-separated (default: all)"
+    )
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: this machine or torch build has no CUDA GPU")
@@ -103,6 +106,9 @@ def main() -> None:
             transports["cuda-ipc"] = lambda: symbiont.connect(
                 server.url("ipc"), mode="shm", device=args.device
             )
+        if args.transports:
+            keep = {"in-process", *args.transports.split(",")}
+            transports = {k: v for k, v in transports.items() if k in keep}
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, args.hidden, device=args.device)
             baseline = None
