@@ -3,6 +3,8 @@ these once crashed a running serve-base, or ended in a traceback)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import symbiont
 from symbiont.cli import main
 
 DEFAULT = str(symbiont.default_model())
+SFT = Path(symbiont.__file__).parent / "assets" / "sft.jsonl"
 
 
 def refused(capsys, argv: list[str]) -> str:
@@ -47,10 +50,15 @@ def test_stats_refuses_a_timeout_it_cannot_wait(capsys, value):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
-@pytest.mark.parametrize("command", ["generate", "serve-base"])
-def test_a_cuda_device_without_cuda_is_refused_by_name(capsys, command):
+@pytest.mark.parametrize("command", ["generate", "serve-base", "finetune"])
+def test_a_cuda_device_without_cuda_is_refused_by_name(capsys, command, tmp_path):
     argv = [command, "--model", DEFAULT, "--device", "cuda"]
-    err = refused(capsys, argv + (["--prompt", "hi"] if command == "generate" else []))
+    more = {
+        "generate": ["--prompt", "hi"],
+        "finetune": ["--data", str(SFT), "--out", str(tmp_path / "run")],
+    }
+    err = refused(capsys, argv + more.get(command, []))
+    assert not (tmp_path / "run").exists(), "nothing is written before the device is checked"
     assert "--device cuda: this torch build or machine has no CUDA GPU" in err
 
 

@@ -10,6 +10,8 @@ serve-base puts the segment's areas there (CUDA IPC: `transport == "cuda-ipc"`).
 
 from __future__ import annotations
 
+import json
+
 import peft
 import pytest
 import torch
@@ -223,3 +225,29 @@ def test_serving_engine_on_the_gpu_matches_vanilla(llama, tmp_path):
     for prompt, name, got in zip(batch, names, outputs, strict=True):
         assert got == reference.generate(prompt, name, greedy.max_tokens), name
     assert engine.kv_cache.allocator.num_free == config.num_blocks
+
+
+def test_finetune_command_on_the_gpu(model_dir, tmp_path):
+    """`symbiont finetune --device cuda`, in-process and through a GPU serve-base: the
+    same losses step by step (fp32 within rounding) as the same run on the CPU."""
+    from symbiont.cli import main
+    from symbiont.model.default import default_dataset
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(default_dataset().read_text().splitlines()[:12]) + "\n")
+
+    def losses(out, *extra):
+        argv = ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out)]
+        argv += ["--max-steps", "3", "--r", "4", "--target", "q_proj,v_proj", "--no-progress"]
+        assert main([*argv, *extra]) == 0
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    on_cpu = losses(tmp_path / "cpu")
+    on_gpu = losses(tmp_path / "gpu", "--device", "cuda")
+    base = ServerProcess(model_dir, args=("--device", "cuda"), workdir=tmp_path).start()
+    try:
+        split = losses(tmp_path / "split", "--device", "cuda", "--executor", base.url("tcp"))
+    finally:
+        base.stop()
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-4) and split == pytest.approx(on_gpu, rel=1e-4)

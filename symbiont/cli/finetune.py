@@ -91,6 +91,13 @@ def _add_model_flags(parser) -> None:
         help="torch intra-op threads for this process (default: torch's choice); use 1 when "
         "several clients share a few cores",
     )
+    group.add_argument(
+        "--device",
+        default=None,
+        help="where this client computes (default: cpu; cuda, cuda:1): the model, adapter, optimizer "
+        "and batches; without --executor the base weights go there too; with a serve-base "
+        "on the same GPU, calls' tensors stay on it (CUDA IPC)",
+    )
 
 
 # Help for the fields of `AdapterFlags` (symbiont.adapters); their defaults come from it.
@@ -241,6 +248,7 @@ def run(args) -> int:
     from symbiont.cli.flags import resolve_model
     from symbiont.tenant import open_client, open_executor, set_threads
     from symbiont.train import load_examples, pad_id, train
+    from symbiont.util.device import check_device
 
     config = train_config(args)
     adapter = adapter_flags(args)
@@ -248,16 +256,19 @@ def run(args) -> int:
     # a typo in --data must not cost the earlier run
     earlier_run(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     set_threads(args.threads)
+    device = args.device or "cpu"
+    check_device(device)
     model_dir = resolve_model(args.model)
     executor = open_executor(
         model_dir,
         args.executor,
+        device=device,
         dtype=args.dtype,
         mask_activations=args.mask_activations,
         tokens=args.executor_token,
     )
     try:
-        model, tokenizer = open_client(model_dir, executor, dtype=args.dtype)
+        model, tokenizer = open_client(model_dir, executor, device=device, dtype=args.dtype)
         examples = load_examples(args.data, tokenizer, config.max_length)
         evals = (
             load_examples(args.eval_data, tokenizer, config.max_length) if args.eval_data else []

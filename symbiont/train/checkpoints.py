@@ -35,6 +35,7 @@ STAGING_PREFIX = ".staging-"
 STATE_FILE = "trainer_state.json"
 # Non-tensor state is JSON: nothing in a run folder is unpickled (a planted file could run code).
 SCHEDULER_FILE = "scheduler.json"
+CUDA_RNG_FILE = "cuda_rng.pt"  # written only by runs on a GPU
 ADAPTER_FILES = (WEIGHTS_FILE, CONFIG_FILE)  # config last marks done
 
 
@@ -107,6 +108,8 @@ def save_checkpoint(model, optimizer, scheduler, state: TrainState, out: Path, k
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
         _write_json(staging / SCHEDULER_FILE, _scheduler_record(scheduler))
         torch.save(torch.get_rng_state(), staging / "rng.pt")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU
+            torch.save(torch.cuda.get_rng_state_all(), staging / CUDA_RNG_FILE)
         _write_json(staging / STATE_FILE, asdict(state))
         _fsync_tree(staging)
         if target.exists():  # a rerun of the same step: replace it whole
@@ -127,6 +130,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> TrainState:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(_read_scheduler(path))
     torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    cuda_rng = path / CUDA_RNG_FILE
+    if cuda_rng.is_file() and torch.cuda.is_available():
+        states = torch.load(cuda_rng, weights_only=True)
+        if len(states) == torch.cuda.device_count():  # else another machine: not exact
+            torch.cuda.set_rng_state_all(states)
     return TrainState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
 
 

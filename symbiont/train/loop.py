@@ -195,8 +195,8 @@ class _Run:
         accum, total_loss, tokens = self.config.grad_accum, 0.0, 0
         for micro in range(accum):
             index = self.state.step * accum + micro
-            batch = collate(self._batch(index), self.pad)  # each [batch, longest]
-            loss = self.model(**batch).loss
+            batch = _on_model(self.model, collate(self._batch(index), self.pad))
+            loss = self.model(**batch).loss  # batch: each [batch, longest]
             (loss / accum).backward()
             total_loss += loss.item()
             tokens += int(batch["attention_mask"].sum())
@@ -251,6 +251,14 @@ class _Run:
             )
 
 
+def _on_model(model, batch: dict) -> dict:
+    """The batch's tensors on the model's device (its input embeddings')."""
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cpu":
+        return batch
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
 def evaluate(model, examples: Sequence[Example], config: TrainConfig, pad_token_id: int) -> float:
     """Mean loss per predicted token over `examples`, in eval mode and without gradients."""
     was_training = model.training
@@ -258,7 +266,9 @@ def evaluate(model, examples: Sequence[Example], config: TrainConfig, pad_token_
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(examples), config.batch_size):
-            batch = collate(examples[start : start + config.batch_size], pad_token_id)
+            batch = _on_model(
+                model, collate(examples[start : start + config.batch_size], pad_token_id)
+            )
             n = int((batch["labels"][:, 1:] != -100).sum())  # tokens the loss averages over
             total += model(**batch).loss.item() * n
             count += n
