@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from symbiont.protocol import shm
 
@@ -149,3 +150,41 @@ def test_a_bell_numbered_above_1024_still_sleeps_and_wakes():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_areas_elsewhere_leave_the_segment_a_control_block(monkeypatch):
+    """With its areas on a GPU the host segment is the control block alone: both sides
+    read and write the one area through the same views, and a client expecting host
+    areas is refused by size. (A CPU tensor stands in for the GPU memory here;
+    tests/test_gpu.py runs the real thing.)"""
+    from symbiont.protocol import gpu_areas
+
+    area = torch.zeros(2 * 4096, dtype=torch.uint8)
+    handle = [b"h" * 64, area.numel(), 0, b"/torch_1", 0, b"e" * 64, False]
+    monkeypatch.setattr(gpu_areas, "allocate", lambda device, nbytes: (area, handle))
+    monkeypatch.setattr(gpu_areas, "open_shared", lambda index, share, nbytes: area[:nbytes])
+    owner = shm.Segment.create(4096, gpu=torch.device("cpu"))
+    try:
+        assert owner.gpu_share == handle and os.fstat(owner.fd).st_size == shm.HEADER_BYTES
+        with pytest.raises(ValueError, match="has size"):
+            shm.Segment.open(owner.path, 4096)
+        client = shm.Segment.open(owner.path, 4096, gpu=(0, owner.gpu_share))
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        client.input(torch.float32, 2, 3).copy_(x)
+        assert torch.equal(owner.input(torch.float32, 2, 3), x)
+        owner.output_at(6, torch.float32, 2, 3).copy_(x * 2)
+        assert torch.equal(client.output_at(6, torch.float32, 2, 3), x * 2)
+        client.ctrl[shm.REQ_SEQ] = 7  # the control block is shared as before
+        assert owner.ctrl[shm.REQ_SEQ] == 7
+        client.close()
+
+        def refuse(index, share, nbytes):
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+        monkeypatch.setattr(gpu_areas, "open_shared", refuse)
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ValueError, match="cannot open the executor's GPU areas: CUDA"):
+            shm.Segment.open(owner.path, 4096, gpu=(0, owner.gpu_share))
+        assert len(os.listdir("/proc/self/fd")) == before, "the segment's descriptor leaked"
+    finally:
+        owner.close()

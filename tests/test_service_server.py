@@ -19,7 +19,9 @@ import zmq
 import symbiont
 from symbiont.base.config import BatchingPolicy, ServiceConfig
 from symbiont.base.server import ExecutorServer
+from symbiont.protocol import shm
 from symbiont.protocol.executor import PROTOCOL_VERSION, ExecutorError, ExecutorUnavailable, Op
+from symbiont.protocol.messages import Ok
 from symbiont.protocol.wire import (
     Call,
     Code,
@@ -781,3 +783,21 @@ def test_a_client_dropped_without_close_frees_its_session(checkpoints, tmp_path,
         while server.sessions:
             assert time.monotonic() < deadline, "a dropped client kept its session"
             time.sleep(0.02)
+
+
+def test_a_gpu_the_executor_does_not_compute_on_gets_host_areas(served):
+    """ATTACH naming a GPU: an executor on the CPU (or on another GPU) answers with a host
+    segment, no CUDA IPC handle; the client maps it and calls work."""
+    sock = raw_dealer(served.endpoints[0])
+    assert type(hello(sock)) is Welcome
+    gpu = "GPU-12345678-1234-1234-1234-123456789abc"
+    ok = ask(sock, encode_fields(Kind.ATTACH, call_id=3, capacity=4096, gpu=gpu))
+    assert type(ok) is Ok and ok.gpu_areas is None and ok.segment
+    segment = shm.Segment.open(ok.segment, 4096)
+    assert segment.gpu_area is None and segment.size == shm.HEADER_BYTES + 2 * 4096
+    segment.close()
+    sock.close()
+    with remote(served.endpoints[0], device="cuda:0") as executor:  # no CUDA here: host areas
+        assert executor.transport == "shm"
+        x = torch.randn(2, served.executor.manifest.layers[0].in_features)
+        assert torch.equal(executor.forward(0, x), served.executor.forward(0, x))
