@@ -146,7 +146,11 @@ def test_gpu_area_handles_are_checked_field_by_field():
     good = [b"h" * 64, 4096, 0, b"/torch_123_456", 0, b"e" * 64, True]
     ok = decode(encode(Ok(call_id=1, segment="/proc/1/fd/3", gpu_areas=good)))
     assert ok.gpu_areas == good
-    for index, bad_value in [(0, "text"), (1, -1), (1, 1.5), (3, b"x" * 2000), (6, 1)]:
+    hostile = [
+        (0, "text"), (0, None), (1, -1), (1, 1.5), (3, b"x" * 2000), (3, None), (6, 1),
+        (3, b"/dev/shm/other"), (3, b"/torch_1/../x"), (4, 10_000), (4, -1), (5, None),
+    ]  # fmt: skip
+    for index, bad_value in hostile:
         fields = list(good)
         fields[index] = bad_value
         with pytest.raises(ProtocolError, match="OK.gpu_areas"):

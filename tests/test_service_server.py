@@ -801,3 +801,68 @@ def test_a_gpu_the_executor_does_not_compute_on_gets_host_areas(served):
         assert executor.transport == "shm"
         x = torch.randn(2, served.executor.manifest.layers[0].in_features)
         assert torch.equal(executor.forward(0, x), served.executor.forward(0, x))
+
+
+class FakeGpu:
+    """CUDA IPC stood in for by CPU tensors (client and executor share this process):
+    the protocol, the budget and the fallbacks run as on a GPU; tests/test_gpu.py runs
+    the real allocation and mapping."""
+
+    UUID = "GPU-00000000-1111-2222-3333-444444444444"
+
+    def __init__(self, monkeypatch, server, open_fails=False):
+        from symbiont.protocol import gpu_areas
+
+        self.areas: dict[bytes, torch.Tensor] = {}
+        self.open_fails = open_fails
+        monkeypatch.setattr(server, "_gpu", torch.device("cpu"))
+        monkeypatch.setattr(server, "_gpu_uuid", self.UUID)
+        monkeypatch.setattr(gpu_areas, "allocate", self.allocate)
+        monkeypatch.setattr(gpu_areas, "open_shared", self.open_shared)
+        monkeypatch.setattr(gpu_areas, "uuid_of", lambda device: self.UUID)
+        monkeypatch.setattr(gpu_areas, "index_of", lambda uuid: 0 if uuid == self.UUID else None)
+
+    def allocate(self, device, nbytes):
+        handle = b"c" + len(self.areas).to_bytes(64, "little")
+        self.areas[handle] = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.areas[handle], [handle, nbytes, 0, b"/torch_1_2", 3, b"e" * 64, True]
+
+    def open_shared(self, index, share, nbytes):
+        if self.open_fails:
+            raise RuntimeError("CUDA error: invalid argument")
+        return self.areas[share[0]][:nbytes]
+
+
+def test_gpu_areas_within_a_budget_and_host_areas_beyond(checkpoints, tmp_path, monkeypatch):
+    import dataclasses
+
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        gpu = FakeGpu(monkeypatch, server)
+        layers = server.executor.manifest.layers
+        one_segment = 2 * max(max(s.in_features, s.out_features) for s in layers) * 4
+        budget = dataclasses.replace(server.config, gpu_area_bytes=one_segment)
+        monkeypatch.setattr(server, "config", budget)
+        layer0 = layers[0]
+        x = torch.randn(3, layer0.in_features)
+        want = server.executor.forward(0, x)
+        with remote(server.endpoints[0], device="cuda", shm_tokens=1) as first:
+            assert first.transport == "cuda-ipc" and len(gpu.areas) == 1
+            assert torch.equal(first.forward(0, x), want)
+            stats = first.stats()
+            assert [c["transport"] for c in stats["clients"]] == ["cuda-ipc"]
+            # the budget (2 x 8192 bytes) is spent: the next client gets host areas
+            with remote(server.endpoints[0], device="cuda", shm_tokens=1) as second:
+                assert second.transport == "shm"
+                assert torch.equal(second.forward(0, x), want)
+        assert len(gpu.areas) == 1, "a session's replaced areas are counted no longer"
+
+
+def test_gpu_areas_the_client_cannot_map_fall_back_to_host_areas(
+    checkpoints, tmp_path, monkeypatch
+):
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        FakeGpu(monkeypatch, server, open_fails=True)
+        with remote(server.endpoints[0], device="cuda") as executor:
+            assert executor.transport == "shm"
+            x = torch.randn(2, server.executor.manifest.layers[0].in_features)
+            assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))

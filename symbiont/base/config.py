@@ -123,6 +123,15 @@ class ServiceConfig:
     allow_shm: bool = field(
         default=True, metadata={"help": "refuse shared-memory clients", "flag": "--no-shm"}
     )
+    gpu_area_bytes: int = field(
+        default=1 << 30,
+        metadata={
+            "help": "GPU memory for the shared-memory areas of clients on this executor's GPU "
+            "(CUDA IPC), all sessions together (MiB); beyond it clients get host areas",
+            "flag": "--gpu-area-mb",
+            "scale": 2**20,
+        },
+    )
     host_cores: int | None = None
     workers: int = field(
         default=1,
@@ -149,6 +158,8 @@ class ServiceConfig:
             )
         if self.max_call_bytes < 1:
             raise ValueError(f"--max-call-mb must be positive, got {self.max_call_bytes / 2**20:g}")
+        if self.gpu_area_bytes < 0:
+            raise ValueError(f"--gpu-area-mb must be >= 0, got {self.gpu_area_bytes / 2**20:g}")
         if self.max_sessions < 1:
             raise ValueError(f"--max-sessions must be >= 1, got {self.max_sessions}")
         _check_range("--new-session-timeout-s", self.new_session_timeout_s, 1e-3, 86400)

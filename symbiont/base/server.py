@@ -378,7 +378,7 @@ class ExecutorServer:
                 "label": s.label,
                 "pid": s.pid,
                 "host": s.host,
-                "transport": "shm" if s.segment is not None else "zmq",
+                "transport": _transport(s.segment),
                 "calls": s.calls,
                 "tokens": s.tokens,
                 "connected_s": time.monotonic() - s.connected_at,
@@ -404,13 +404,10 @@ class ExecutorServer:
                 f"a segment of {attach.capacity} bytes per area exceeds max_call_bytes "
                 f"({self.config.max_call_bytes})",
             )
-        gpu = self._gpu if attach.gpu is not None and attach.gpu == self._gpu_uuid else None
         try:
-            segment = shm.Segment.create(attach.capacity, gpu=gpu)
+            segment = self._new_segment(session, attach)
         except OSError as err:
             raise ProtocolError(Code.REFUSED, f"no shared memory: {err}") from None
-        except RuntimeError as err:  # CUDA: out of memory, or no IPC on this platform
-            raise ProtocolError(Code.REFUSED, f"no GPU areas: {err}") from None
         if session.segment is not None:
             self._retire(session.segment)
         session.segment = segment
@@ -419,6 +416,24 @@ class ExecutorServer:
         self._fit_to_sessions()
         ok = Ok(call_id=attach.call_id, segment=segment.path, gpu_areas=segment.gpu_share)
         self._send(session.key, encode(ok))
+
+    def _new_segment(self, session: Session, attach: Attach) -> shm.Segment:
+        """Areas on our GPU for a client on it, while the GPU-area budget lasts (a client
+        that never maps them, or is killed, keeps them until we exit); else host areas.
+        The session's current segment is about to be replaced: it does not count."""
+        wanted = 2 * attach.capacity
+        if attach.gpu is not None and attach.gpu == self._gpu_uuid:
+            used = sum(
+                s.segment.gpu_area.numel()
+                for s in self.sessions.values()
+                if s is not session and s.segment is not None and s.segment.gpu_area is not None
+            )
+            if used + wanted <= self.config.gpu_area_bytes:
+                try:
+                    return shm.Segment.create(attach.capacity, gpu=self._gpu)
+                except RuntimeError as err:  # CUDA: out of memory, or no IPC here
+                    log.warning("no GPU areas for a client (%s): host areas instead", err)
+        return shm.Segment.create(attach.capacity)
 
     def _frame_call(self, session: Session, call: Call, frames: list) -> None:
         if session.waiting or session.pending is not None:  # one at a time; never drop
@@ -887,6 +902,12 @@ class Failed:
 
     layer: int
     error: BaseException
+
+
+def _transport(segment: shm.Segment | None) -> str:
+    if segment is None:
+        return "zmq"
+    return "shm" if segment.gpu_area is None else "cuda-ipc"
 
 
 def _publish(segment, seq: int, status: int = 0) -> bool:

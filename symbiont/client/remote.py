@@ -98,6 +98,11 @@ class ClientConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Mode(self.mode))
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(f"device {self.device!r} is not a device name: {err}") from None
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive (seconds)")
         if self.retries < 0 or self.shm_tokens < 1:
@@ -346,15 +351,15 @@ class RemoteExecutor(Executor):
         capacity = min(max(capacity or 0, default), self._max_call_bytes)
         gpu = gpu_areas.uuid_of(self.config.device) if self.config.device else None
         try:
-            attach = Attach(call_id=self._new_id(), capacity=capacity, gpu=gpu)
-            ok = self._await(self._send(attach), self.config.connect_timeout_s)
-            areas = None
-            if ok.gpu_areas is not None:
-                index = gpu_areas.index_of(gpu) if gpu is not None else None
-                if index is None:
-                    raise ValueError("the executor put the areas on a GPU this client lacks")
-                areas = (index, ok.gpu_areas)
-            segment = shm.Segment.open(ok.segment or "", capacity, gpu=areas)
+            try:
+                segment = self._attach(capacity, gpu)
+            except (ExecutorError, ValueError) as err:
+                if gpu is None:
+                    raise
+                # An executor that predates GPU areas refuses the field; one whose areas
+                # we cannot map has given us a segment we drop. Host areas then.
+                log.info("no GPU areas from %s (%s): asking for host areas", self.url, err)
+                segment = self._attach(capacity, None)
         except (ExecutorError, ValueError) as err:
             if self.config.mode is Mode.SHM:
                 raise ExecutorError(f"shared memory with {self.url}: {err}") from None
@@ -365,6 +370,19 @@ class RemoteExecutor(Executor):
         segment.open_pipes()
         self._segment = segment
         self._seq = segment.ctrl[shm.RESP_SEQ]
+
+    def _attach(self, capacity: int, gpu: str | None) -> shm.Segment:
+        """ATTACH and map the segment the executor made: areas on our GPU `gpu` (its
+        UUID) if it computes there, else in the host segment."""
+        attach = Attach(call_id=self._new_id(), capacity=capacity, gpu=gpu)
+        ok = self._await(self._send(attach), self.config.connect_timeout_s)
+        areas = None
+        if ok.gpu_areas is not None:
+            index = gpu_areas.index_of(gpu) if gpu is not None else None
+            if index is None:
+                raise ValueError("the executor put the areas on a GPU this client lacks")
+            areas = (index, ok.gpu_areas)
+        return shm.Segment.open(ok.segment or "", capacity, gpu=areas)
 
     # -- calls -------------------------------------------------------------------
 
@@ -495,6 +513,9 @@ class RemoteExecutor(Executor):
         for width in out_ws:
             outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
             offset += rows * width
+        # GPU areas: the copies out are done before the executor may overwrite the area,
+        # whichever stream the next call comes from
+        segment.settle()
         return outputs
 
     def _post_shm(self, segment: shm.Segment) -> None:

@@ -33,6 +33,7 @@ SHARE_FIELDS = (
     "event_sync_required",  # bool
 )
 MAX_HANDLE_BYTES = 1024
+REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
 
 
 def uuid_of(device) -> str | None:
@@ -56,7 +57,9 @@ def index_of(uuid: str) -> int | None:
 
 def allocate(device: torch.device, nbytes: int) -> tuple[torch.Tensor, list]:
     """Executor side: `nbytes` of GPU memory (uint8) and the handle a client opens it by."""
-    area = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # Zeroed: fresh GPU memory holds whatever freed tensors left there (host segments
+    # are zero-filled by the kernel).
+    area = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     shared = area.untyped_storage()._share_cuda_()
     # (device index, handle, size, offset, ref counter, its offset, event, sync required)
     return area, list(shared[1:])
@@ -67,7 +70,7 @@ def open_shared(index: int, share: list, nbytes: int) -> torch.Tensor:
     if len(share) != len(SHARE_FIELDS):
         raise ValueError(f"a GPU area handle has {len(SHARE_FIELDS)} fields, got {len(share)}")
     handle, size, offset, counter, counter_offset, event, sync = share
-    if size < nbytes:
+    if size != nbytes:
         raise ValueError(f"the executor's GPU areas hold {size} bytes, {nbytes} expected")
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
@@ -85,16 +88,24 @@ def settle(area: torch.Tensor | None) -> None:
 
 
 def check_share(value) -> list:
-    """The wire check of a handle: raises ValueError unless it has SHARE_FIELDS' types."""
+    """The wire check of a handle: raises ValueError unless it has SHARE_FIELDS' types and
+    ranges. The client hands these to torch, which trusts them: the reference counter is
+    a slot in a shared file of REF_COUNTER_SLOTS int64 that the client decrements when it
+    lets go, and its name is a shared-memory object the client opens, so both are bounded
+    to what torch itself makes."""
     if type(value) is not list or len(value) != len(SHARE_FIELDS):
         raise ValueError
     handle, size, offset, counter, counter_offset, event, sync = value
     for blob in (handle, counter, event):
-        if not (type(blob) is bytes and len(blob) <= MAX_HANDLE_BYTES or blob is None):
+        if type(blob) is not bytes or not 0 < len(blob) <= MAX_HANDLE_BYTES:
             raise ValueError
-    for number in (size, offset, counter_offset):
-        if type(number) is not int or not 0 <= number < 1 << 62:
+    if not counter.startswith(b"/torch_") or b"/" in counter[1:] or b"\0" in counter:
+        raise ValueError
+    if not 0 <= counter_offset < REF_COUNTER_SLOTS:
+        raise ValueError
+    for number in (size, offset):
+        if type(number) is not int or not 0 <= number < 1 << 48:
             raise ValueError
-    if type(sync) is not bool:
+    if type(counter_offset) is not int or type(sync) is not bool:
         raise ValueError
     return value

@@ -163,7 +163,7 @@ class Segment:
             raise ValueError(f"shared-memory segment {path} has size {info.st_size}")
         try:
             area = gpu_areas.open_shared(*gpu, 2 * capacity) if gpu is not None else None
-        except (RuntimeError, ValueError) as err:
+        except (RuntimeError, TypeError, ValueError) as err:
             os.close(fd)
             raise ValueError(f"cannot open the executor's GPU areas: {err}") from None
         return cls(path, fd, capacity, gpu_area=area)
