@@ -384,7 +384,7 @@ def test_a_file_that_fails_its_check_at_run_time_fails_the_job(server, bob):
 # -- bad input --------------------------------------------------------------------------
 
 
-def test_bad_uploads_name_line_and_problem(alice):
+def test_bad_uploads_name_line_and_problem(alice, bob):
     before = [f.id for f in alice.files.list()]
     cases = [
         (b"", 400, "file", "train.jsonl is empty"),
@@ -402,10 +402,21 @@ def test_bad_uploads_name_line_and_problem(alice):
             "file",
             "train.jsonl line 1: a string holds a lone surrogate escape",
         ),
+        (b"[" * 1900 + b"]" * 1900, 400, "file", "line 1: not valid JSON here"),  # was 500
     ]
     for content, status, param, message in cases:
         err = refused(upload, alice, content)
         assert (err.status_code, err.param) == (status, param) and message in err.message
+    # a raw U+2028 inside a JSON string is one JSONL line, as `symbiont finetune` reads it
+    record = json.dumps({"prompt": "a\u2028b\u0085c", "completion": " d"}, ensure_ascii=False)
+    accepted = upload(alice, record.encode() + b"\n" + chats(1))
+    assert accepted.id
+    alice.files.delete(accepted.id)
+    # json refuses ints of over 4300 digits with a ValueError (bob has no size limit)
+    huge = b'{"prompt": "hi", "completion": "x", "n": ' + b"9" * 5000 + b"}"
+    err = refused(upload, bob, huge)
+    assert (err.status_code, err.param) == (400, "file"), err.message
+    assert "train.jsonl line 1: not valid JSON here" in err.message
     err = refused(alice.files.create, file=("x.jsonl", chats(1)), purpose="batch")
     assert (err.status_code, err.param) == (400, "purpose") and "must be 'fine-tune'" in err.message
     assert [f.id for f in alice.files.list()] == before, "a refused upload left a file"
@@ -433,6 +444,12 @@ def test_bad_job_requests_name_the_field(alice):
             "hyperparameters.learning_rate_multiplier",
             "(0, 10], got 0",
         ),
+        (
+            {"hyperparameters": {"learning_rate_multiplier": 10**400}},
+            400,
+            "hyperparameters.learning_rate_multiplier",
+            "(0, 10], got 1000000000",
+        ),
         ({"suffix": "no spaces"}, 400, "suffix", "letters, digits"),
         (  # a string here raised AttributeError: a 500
             {"method": {"type": "supervised", "supervised": "x"}},
@@ -454,6 +471,12 @@ def test_bad_job_requests_name_the_field(alice):
         ),
         (
             {"extra_body": {"peft": {"r": 128}}},
+            400,
+            "peft.r",
+            "above this server's max_lora_rank (64)",
+        ),
+        (  # DoRA is served as a LoRA slot: it trained, then failed to publish
+            {"extra_body": {"peft": {"method": "dora", "r": 128}}},
             400,
             "peft.r",
             "above this server's max_lora_rank (64)",
@@ -484,7 +507,7 @@ def test_bad_job_requests_name_the_field(alice):
         assert message in err.message, (changes, err.message)
     # JSON as Python writes it may hold NaN and Infinity, which the openai client will not
     # send; a NaN stored in a job made every later read of the tenant's jobs a 500
-    for alpha in ("NaN", "Infinity", "-1"):
+    for alpha in ("NaN", "Infinity", "-1", "1" + "0" * 400):  # 10**400 overflowed: a 500
         body = f'{{"model": "{BASE}", "training_file": "{good}", "peft": {{"alpha": {alpha}}}}}'
         answer = httpx.post(
             f"{alice.base_url}fine_tuning/jobs",
@@ -496,7 +519,7 @@ def test_bad_job_requests_name_the_field(alice):
         )
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == "peft.alpha"
-        assert "must be a positive finite number" in answer.json()["error"]["message"]
+        assert "must be a number in (0, 1e+06]" in answer.json()["error"]["message"]
     assert [j.id for j in alice.fine_tuning.jobs.list()] == before, "a refused job was created"
 
 
@@ -636,6 +659,15 @@ def test_a_job_stopped_while_publishing_keeps_one_results_file(model_dir, tmp_pa
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _status(jobs_dir: Path, job_id: str) -> str:
+    """A job's status read from the store while no server holds the jobs dir."""
+    store = JobStore(jobs_dir)
+    try:
+        return store.get_job(None, job_id).status
+    finally:
+        store.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -681,7 +713,7 @@ def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
             time.sleep(0.02)
         process.kill()  # kill -9 between checkpoints
         process.wait()
-    assert JobStore(jobs_dir).get_job(None, killed.id).status == "running"
+    assert _status(jobs_dir, killed.id) == "running"
     with serve_process(model_dir, jobs_dir, log) as (process, api):
         uninterrupted = create(api, data.id, suffix="whole", **spec)
         resumed = wait_for(api, killed.id)
@@ -704,7 +736,7 @@ def test_kill_9_mid_job_then_restart_resumes_exactly(model_dir, tmp_path):
         assert process.wait(15) in (0, -signal.SIGTERM), log.read_text(errors="replace")
     text = log.read_text(errors="replace")
     assert "Application shutdown complete" in text and "Traceback" not in text
-    assert JobStore(jobs_dir).get_job(None, pending.id).status == "running"
+    assert _status(jobs_dir, pending.id) == "running"
 
 
 def test_jobs_created_at_once_stay_within_max_concurrent_jobs(server):

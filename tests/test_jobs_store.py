@@ -397,3 +397,15 @@ def test_calls_on_a_shared_executor_never_interleave(shared):
     for thread in threads:
         thread.join()
     assert (inner.most == 1) == shared
+
+
+def test_one_jobs_dir_is_one_servers(tmp_path):
+    """A second store (another `symbiont serve`) on a jobs dir in use is refused by name:
+    both would run the same jobs and delete each other's fresh uploads."""
+    from symbiont.jobs.store import JobsDirBusy
+
+    store = JobStore(tmp_path)
+    with pytest.raises(JobsDirBusy, match=f"another symbiont serve is using --jobs-dir {tmp_path}"):
+        JobStore(tmp_path)
+    store.close()
+    JobStore(tmp_path).close()  # free again once the first has closed

@@ -75,6 +75,8 @@ def test_chat_messages_take_loss_on_assistant_turns_only(tokenizer, tmp_path):
         ('{"prompt": "x", "completion": 3}', "field 'completion' must be a string, it is a int"),
         ('{"input": "x"}', "expected 'text', 'prompt' and 'completion', or 'messages'"),
         ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object"),
+        ('{"text": "x", "n": ' + "9" * 5000 + "}", "not valid JSON here"),  # bare ValueError
+        ("[" * 40_000 + "]" * 40_000, "not valid JSON here"),  # RecursionError
     ],
 )
 def test_bad_record_error_names_file_and_line(tokenizer, tmp_path, line, message):

@@ -286,6 +286,27 @@ def test_peft_config_from_json_file(tmp_path):
         load_peft_config(tmp_path / "bad.json")
 
 
+def test_a_saved_adapters_config_trains_a_new_adapter(tmp_path):
+    """A saved adapter's config says inference_mode: true, which froze every parameter of
+    the new adapter ("the model has no trainable parameters")."""
+    config = peft.LoraConfig(r=3, target_modules=["q_proj"], inference_mode=True)
+    config.save_pretrained(tmp_path)
+    loaded = load_peft_config(tmp_path)
+    assert loaded.inference_mode is False and loaded.r == 3
+    assert load_peft_config(tmp_path) is not loaded  # a copy: nothing shared is changed
+
+
+def test_checkpoints_are_ordered_by_step_past_six_digits(tmp_path):
+    for step in (900_000, 1_000_000, 1_100_000):
+        folder = ckpt.checkpoint_dir(tmp_path, step)
+        folder.mkdir()
+        (folder / ckpt.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()  # not a step: ignored
+    steps = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert steps == ["checkpoint-900000", "checkpoint-1000000", "checkpoint-1100000"]
+    assert ckpt.latest_checkpoint(tmp_path).name == "checkpoint-1100000"
+
+
 def test_transformers_trainer_runs_on_a_client_unchanged(model_dir, executor, examples, tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -3,6 +3,7 @@ config JSON (through the one adapter reader, so both are validated alike)."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import peft
@@ -50,10 +51,14 @@ def _build(spec: AdapterFlags, total_steps: int) -> peft.PeftConfig:
 
 
 def load_peft_config(path: str | os.PathLike) -> peft.PeftConfig:
-    """Any PEFT config: a JSON file (as written by `PeftConfig.save_pretrained`) or an
-    adapter folder holding `adapter_config.json` (its weights are not read). `task_type`
-    defaults to CAUSAL_LM. Raises `AdapterError` (a ValueError) saying what to fix."""
-    return read_adapter(path, require_weights=False).config
+    """Any PEFT config, to train a new adapter with: a JSON file (as written by
+    `PeftConfig.save_pretrained`) or an adapter folder holding `adapter_config.json` (its
+    weights are not read). `task_type` defaults to CAUSAL_LM. A saved adapter's config
+    says `inference_mode: true`, which would freeze the new adapter: it is turned off.
+    Raises `AdapterError` (a ValueError) saying what to fix."""
+    config = copy.deepcopy(read_adapter(path, require_weights=False).config)
+    config.inference_mode = False
+    return config
 
 
 def _targets(target: str | None) -> str | list[str] | None:

@@ -15,6 +15,7 @@ read takes the tenant, and a row of another tenant is simply not found (the API 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -148,6 +149,7 @@ class JobStore:
         self.runs_dir = self.root / "runs"
         for folder in (self.root, self.files_dir, self.runs_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        self._owner = _own(self.root)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.root / "jobs.sqlite3", isolation_level=None, check_same_thread=False
@@ -161,6 +163,9 @@ class JobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._owner is not None:
+                os.close(self._owner)  # releases the jobs dir for the next server
+                self._owner = None
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -462,3 +467,23 @@ def _checkpoint(row: sqlite3.Row) -> dict:
         "step_number": row["step"],
         "metrics": json.loads(row["metrics"]),
     }
+
+
+def _own(root: Path) -> int:
+    """Hold an exclusive lock on the jobs dir for as long as this store is open (the
+    kernel drops it when the process dies): two servers on one jobs dir would both run
+    and checkpoint the same jobs, and each would delete the other's fresh uploads."""
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise JobsDirBusy(
+            f"another symbiont serve is using --jobs-dir {root}: stop it, or give this "
+            "server a jobs dir of its own"
+        ) from None
+    return fd
+
+
+class JobsDirBusy(RuntimeError):
+    """The jobs dir is held by another open store (another server)."""

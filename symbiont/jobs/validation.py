@@ -21,6 +21,7 @@ MAX_EPOCHS = 50
 MAX_BATCH_SIZE = 256
 MAX_LR_MULTIPLIER = 10.0
 MAX_RANK = 256
+MAX_ALPHA = 1e6  # LoRA alpha (scale alpha / r): past it the adapter is noise
 MAX_SUFFIX = 64
 AUTO = {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 1.0}
 
@@ -55,7 +56,10 @@ def parse_training_file(content: bytes, name: str = "file") -> list[tuple[int, d
             f"{name} is not UTF-8 text (byte {err.start}); upload JSONL", "file"
         ) from None
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only, as JSONL's and `symbiont finetune`'s: splitlines() would
+    # also split at U+2028, U+0085 ... which JSON strings may hold raw.
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if line.strip():
             records.append((number, _record(line, f"{name} line {number}")))
     return records
@@ -67,6 +71,10 @@ def _record(line: str, where: str) -> dict:
     except json.JSONDecodeError as err:
         raise invalid(
             f"{where}: not valid JSON ({err.msg} at column {err.colno})", "file"
+        ) from None
+    except (ValueError, RecursionError) as err:  # an int of over 4300 digits, deep nesting
+        raise invalid(
+            f"{where}: not valid JSON here ({err or 'nested too deep'})", "file"
         ) from None
     if not isinstance(record, dict):
         raise invalid(f"{where}: expected a JSON object, got {type(record).__name__}", "file")
@@ -200,7 +208,7 @@ def _suffix(value) -> str | None:
     ok = isinstance(value, str) and 0 < len(value) <= MAX_SUFFIX
     if not ok or not all(c.isalnum() or c in "-_." for c in value):
         raise invalid(
-            f"suffix: up to {MAX_SUFFIX} letters, digits, '-', '_' or '.'; got {value!r}",
+            f"suffix: up to {MAX_SUFFIX} letters, digits, '-', '_' or '.'; got {_short(value)}",
             "suffix",
         )
     return value
@@ -249,7 +257,7 @@ def _int(hyper: dict, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise invalid(
             f"hyperparameters.{key}: must be 'auto' or an integer in [{low}, {high}], "
-            f"got {value!r}",
+            f"got {_short(value)}",
             f"hyperparameters.{key}",
         )
     return value
@@ -257,11 +265,10 @@ def _int(hyper: dict, key: str, low: int, high: int) -> int:
 
 def _multiplier(hyper: dict) -> float:
     value = hyper["learning_rate_multiplier"]
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or not 0 < value <= MAX_LR_MULTIPLIER:
+    if not _finite(value) or not 0 < value <= MAX_LR_MULTIPLIER:
         raise invalid(
             "hyperparameters.learning_rate_multiplier: must be 'auto' or a number in "
-            f"(0, {MAX_LR_MULTIPLIER:g}], got {value!r}",
+            f"(0, {MAX_LR_MULTIPLIER:g}], got {_short(value)}",
             "hyperparameters.learning_rate_multiplier",
         )
     return float(value)
@@ -271,7 +278,7 @@ def _seed(value) -> int:
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-        raise invalid(f"seed: must be an integer in [0, 2147483647], got {value!r}", "seed")
+        raise invalid(f"seed: must be an integer in [0, 2147483647], got {_short(value)}", "seed")
     return value
 
 
@@ -280,7 +287,7 @@ def _checkpoint_every(value) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise invalid(
-            f"checkpoint_every: must be an integer >= 1 (optimizer steps), got {value!r}",
+            f"checkpoint_every: must be an integer >= 1 (optimizer steps), got {_short(value)}",
             "checkpoint_every",
         )
     return value
@@ -292,7 +299,7 @@ def _window_positions(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise invalid(
             f"window_positions: must be an integer >= 1 (positions per co-serving window), "
-            f"got {value!r}",
+            f"got {_short(value)}",
             "window_positions",
         )
     return value
@@ -334,15 +341,13 @@ def _peft(value) -> dict:
         )
     r = value.get("r", 8)
     if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RANK:
-        raise invalid(f"peft.r: must be an integer in [1, {MAX_RANK}], got {r!r}", "peft.r")
+        raise invalid(f"peft.r: must be an integer in [1, {MAX_RANK}], got {_short(r)}", "peft.r")
     alpha = value.get("alpha")
-    if alpha is not None and (
-        isinstance(alpha, bool)
-        or not isinstance(alpha, int | float)
-        or not math.isfinite(alpha)
-        or alpha <= 0
-    ):  # a NaN stored in the job would make every read of the tenant's jobs fail
-        raise invalid(f"peft.alpha: must be a positive finite number, got {alpha!r}", "peft.alpha")
+    if alpha is not None and (not _finite(alpha) or not 0 < alpha <= MAX_ALPHA):
+        # a NaN stored in the job would make every read of the tenant's jobs fail
+        raise invalid(
+            f"peft.alpha: must be a number in (0, {MAX_ALPHA:g}], got {_short(alpha)}", "peft.alpha"
+        )
     dropout = value.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise invalid(f"peft.dropout: must be in [0, 1), got {dropout!r}", "peft.dropout")
@@ -367,7 +372,20 @@ def _targets(value) -> str | None:
     if not ok:
         raise invalid(
             "peft.target_modules: 'all-linear' or a non-empty list of module names such as "
-            f"['q_proj', 'v_proj'], got {value!r}",
+            f"['q_proj', 'v_proj'], got {_short(value)}",
             "peft.target_modules",
         )
     return ",".join(value)
+
+
+def _finite(value) -> bool:
+    """A JSON number that is not NaN or infinite (an int of any size is finite; math's
+    isfinite overflows on one beyond a float's range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

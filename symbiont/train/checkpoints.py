@@ -56,8 +56,16 @@ def list_checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first."""
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and p.is_dir()]
-    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: p.name)
+    found = [p for p in out.iterdir() if _step_of(p) is not None and p.is_dir()]
+    # by step, not by name: step 1000000 has one digit more than the 6 the names pad to
+    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=_step_of)
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name.removeprefix(CHECKPOINT_PREFIX)
+    if digits == path.name or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits)
 
 
 # adapter_config.json fields that say where the adapter came from, not what it computes

@@ -77,6 +77,10 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
                 raise DataError(
                     f"{where}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from err
+            except (ValueError, RecursionError) as err:  # a 4300-digit int, deep nesting
+                raise DataError(
+                    f"{where}: not valid JSON here ({err or 'nested too deep'})"
+                ) from None
             if not isinstance(fields, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(fields).__name__}")
             yield Record(fields, where)

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from symbiont.adapters.names import JOB_METHODS
 from symbiont.jobs.examples import Tokenizing
 from symbiont.jobs.priority import give_inference_priority, model_executor
 from symbiont.jobs.runner import JobRunner, Worksite
@@ -87,7 +88,7 @@ JOB_SCHEMA = {
                         "peft": {
                             "type": "object",
                             "properties": {
-                                "method": {"enum": ["lora", "ia3"]},
+                                "method": {"enum": list(JOB_METHODS)},
                                 "r": {"type": "integer"},
                                 "alpha": {"type": "number"},
                                 "dropout": {"type": "number"},
@@ -415,7 +416,8 @@ def _router(service: JobsService) -> APIRouter:
             event=("info", "Job cancelled"),
             finished_at=now(),
         )
-        if not cancelled:
+        if not cancelled:  # it ended meanwhile: read what it ended as
+            job = _job(service, request, job_id)
             raise JobsError(
                 400,
                 f"job {job_id} has already {_ended(job.status)}; only jobs that are "
@@ -470,7 +472,8 @@ async def _upload(store: JobStore, tenant: str, form, limit: int) -> dict:
 
 
 def _ended(status: str) -> str:
-    return {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}[status]
+    ended = {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}
+    return ended.get(status, status)
 
 
 def _file(service: JobsService, request: Request, file_id: str):
@@ -490,7 +493,7 @@ def _job(service: JobsService, request: Request, job_id: str):
 async def _json_body(request: Request) -> dict:
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # also: ints of over 4300 digits
         raise JobsError(400, f"the body is not valid JSON ({err}); send one JSON object") from None
     if not isinstance(body, dict):
         raise JobsError(400, "the body must be a JSON object")
@@ -523,7 +526,8 @@ def _check_servable(service: JobsService, spec) -> None:
     """The adapter the job makes must be one the engine can serve."""
     engine = service.state.ready().engine
     peft = spec.peft
-    if peft["method"] == "lora" and peft["r"] > engine.config.max_lora_rank:
+    # DoRA is served as a LoRA slot (plus magnitudes), so its rank has LoRA's bound
+    if peft["method"] in ("lora", "dora") and peft["r"] > engine.config.max_lora_rank:
         raise JobsError(
             400,
             f"peft.r: {peft['r']} is above this server's max_lora_rank "
@@ -709,7 +713,7 @@ async def _peek_body(receive: Receive, limit: int) -> tuple[bytes, Callable]:
 def _model_field(body: bytes) -> str | None:
     try:
         fields = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # the app answers it with its own 400
         return None
     model = fields.get("model") if isinstance(fields, dict) else None
     return model if isinstance(model, str) else None
