@@ -427,3 +427,23 @@ def test_a_chat_the_models_template_refuses_is_400_naming_messages(model_dir, tm
             assert "Unsupported chat role: tool" in error["message"], error
         ok = {"model": "strict", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(f"{running.url}/v1/chat/completions", json=ok, timeout=30).is_success
+
+
+@pytest.mark.parametrize(
+    "stop, message",
+    [
+        (["x"] * 17, "at most 16 stop strings, got 17"),
+        ("y" * 1001, "a stop string of 1001 characters; at most 1000"),
+        (["ok", "z" * 5000], "a stop string of 5000 characters"),
+    ],
+)
+def test_too_many_or_too_long_stop_strings_are_400(server, stop, message):
+    """Each stop string is searched for after every token of every choice: a request
+    with 100k of them held the engine for every tenant for a minute."""
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        answer = _post(server, path, {"model": "tiny-llama", "max_tokens": 2, "stop": stop, **body})
+        _assert_error(answer, 400, "stop")
+        assert message in answer.json()["error"]["message"]

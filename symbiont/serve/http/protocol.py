@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from symbiont.decoding import MAX_LOGPROBS
+
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 1000  # characters per stop string
 
 
 class StreamOptions(BaseModel):
@@ -28,6 +31,19 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop):
+        """Every stop string is searched for after every token of every choice: 100k of
+        them held the engine for everyone (OpenAI takes at most 4)."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string of {longest} characters; at most {MAX_STOP_CHARS}")
+        return stop
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
