@@ -177,3 +177,21 @@ def test_cache_metrics(server, client):
     ]:
         assert series in text, series
     assert metric(server, 'symbiont_adapter_evictions_total{tier="resident"}') >= 1
+
+
+def test_post_adapters_makes_room_and_leaves_the_folder_a_slot(model_dir, adapter_dir, expected):
+    """POST /v1/adapters went around the slot rules `--adapter` follows: with idle folder
+    adapters in both slots it failed ('all slots in use'), and two loads took every slot,
+    so requests for folder adapters then waited forever."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, adapter_dir=str(adapter_dir))
+    with BackgroundServer(config) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for name in ("sql", "chat"):  # both slots now hold idle folder adapters
+            api.completions.create(model=name, prompt="ab", max_tokens=2, temperature=0)
+        first = httpx.post(f"{server.url}/v1/adapters", json={"name": "named", "path": "tone"})
+        assert first.status_code == 200, first.text  # an idle folder adapter made room
+        second = httpx.post(f"{server.url}/v1/adapters", json={"name": "more", "path": "sql"})
+        assert second.status_code == 400, second.text
+        assert "would leave no adapter slot for --adapter-dir" in second.json()["error"]["message"]
+        got = api.completions.create(model="chat", prompt="ab", max_tokens=4, temperature=0)
+        assert got.choices[0].text == expected("ab", "chat", 4)  # folder adapters still serve

@@ -112,6 +112,8 @@ class AsyncEngine:
         weights = await asyncio.to_thread(self.engine.adapters.parse, path)  # file I/O off-thread
 
         def add() -> dict:
+            # as Engine.load_adapter: evict an idle cached adapter, never take the last slot
+            self.engine._make_room_for_named(name)
             self.engine.adapters.add(name, weights)
             return self.engine.adapters.info(name)
 
