@@ -447,3 +447,33 @@ def test_too_many_or_too_long_stop_strings_are_400(server, stop, message):
         answer = _post(server, path, {"model": "tiny-llama", "max_tokens": 2, "stop": stop, **body})
         _assert_error(answer, 400, "stop")
         assert message in answer.json()["error"]["message"]
+
+
+def test_tokenizing_a_request_does_not_stall_the_other_clients(server, monkeypatch):
+    """Tokenizing an 8 MB prompt took 5 s on the event loop, and every other client
+    (/health, open streams) waited. Now it runs on a thread of its own: while one
+    request's tokenization is held, the server answers others."""
+    import threading
+
+    from symbiont.serve.http import api
+
+    entered, release = threading.Event(), threading.Event()
+    tokenize = api._completion_prompts
+
+    def held(state, body):
+        entered.set()
+        release.wait(20)  # on the event loop (the old code) this held every client
+        return tokenize(state, body)
+
+    monkeypatch.setattr(api, "_completion_prompts", held)
+    answers = []
+    body = {"model": "tiny-llama", "prompt": "ab", "max_tokens": 2}
+    caller = threading.Thread(target=lambda: answers.append(_post(server, "/v1/completions", body)))
+    caller.start()
+    try:
+        assert entered.wait(10)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    finally:
+        release.set()
+        caller.join(30)
+    assert answers and answers[0].status_code == 200, answers

@@ -15,6 +15,7 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -149,15 +150,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         _check_text(body)
-        prompts = _completion_prompts(state, body)
+        prompts = await _off_loop(_completion_prompts, state, body)
         _check_token_ids(state, prompts)
-        texts = _completion_texts(state, body) if body.echo else None
+        texts = await _off_loop(_completion_texts, state, body) if body.echo else None
         return await _serve(state, body, prompts, http, chat=False, texts=texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
         _check_text(body)
-        return await _serve(state, body, [_chat_prompt(state, body)], http, chat=True)
+        prompt = await _off_loop(_chat_prompt, state, body)
+        return await _serve(state, body, [prompt], http, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -166,14 +168,25 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(
                 400, "messages is empty; send at least one message", *_invalid("messages")
             )
-        return _tokenize(state, body)
+        return await _off_loop(_tokenize, state, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return _detokenize(state, body)
+        return await _off_loop(_detokenize, state, body)
 
     mount_jobs(app, state)  # files, fine-tuning jobs, tenants (outermost middleware)
     return app
+
+
+# Tokenizing and rendering chat templates take seconds for a multi-megabyte prompt: on
+# the event loop that stalled every other client (streams, /health). One thread, so the
+# tokenizer is never used by two requests at once (transformers sets its truncation
+# state per call).
+_TOKENIZING = ThreadPoolExecutor(1, thread_name_prefix="symbiont-tokenize")
+
+
+async def _off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZING, fn, *args)
 
 
 def _check_may_unload(state: ServerState, http: Request, name: str) -> None:
