@@ -320,21 +320,25 @@ def token_finish(
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` not yet final: an incomplete UTF-8 sequence
-    (decoded as U+FFFD) or a proper prefix of some stop string."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
+    """Characters at the end of `text` not yet final: an incomplete UTF-8 sequence at the
+    end (decoded as U+FFFD), and before it a proper prefix of some stop string (the
+    incomplete character may complete one: with stop "aé", "xa" + half an "é" holds the
+    "a" back too)."""
+    complete = text.rstrip("\ufffd")
     longest = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
+        for n in range(min(len(stop) - 1, len(complete)), longest, -1):
+            if complete.endswith(stop[:n]):
                 longest = n
                 break
-    return longest
+    return len(text) - len(complete) + longest
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index of the earliest stop string in `text`, or None."""
+def first_stop(text: str, stops: tuple[str, ...], final: bool = False) -> int | None:
+    """Index of the earliest stop string in `text`, or None. Unless `final`, a trailing
+    U+FFFD is an incomplete character, not text a stop string can match yet."""
+    if not final:
+        text = text.rstrip("\ufffd")
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else None
 
@@ -363,7 +367,7 @@ class TextTracker:
         if self.stopped:
             return ""
         text = self._decode(token_ids)
-        cut = first_stop(text, self.stop)
+        cut = first_stop(text, self.stop, final)
         if cut is not None:
             text, self.stopped, final = text[:cut], True, True
         self.text = text

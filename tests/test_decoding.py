@@ -199,3 +199,36 @@ def test_text_tracker_decodes_from_an_anchor_exactly_as_the_whole_output(model_d
     tracker.update(ids[:30])
     tracker.update(random_ids[:12])
     assert tracker.text == tokenizer.decode(random_ids[:12], skip_special_tokens=True)
+
+
+class _BytesTokenizer:
+    """Each id is some bytes; decoding joins them as UTF-8 (an incomplete character reads
+    U+FFFD), as a byte-level BPE tokenizer splitting a character over two tokens does."""
+
+    PIECES = [b" x", b"a", b"\xc3", b"\xa9", b" y", b"\xe2\x80"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _released(stop, ids, final_at=None):
+    tracker, out = TextTracker(_BytesTokenizer(), stop), []
+    for n in range(1, len(ids) + 1):
+        out.append(tracker.update(ids[:n], final=n == final_at))
+    return "".join(out), tracker
+
+
+def test_a_stop_string_ending_in_a_split_character_never_leaks_its_start():
+    """With stop 'aé' and 'é' split over two tokens, the 'a' was released while the
+    first half of 'é' (U+FFFD) was held: the client got ' xa' instead of ' x'."""
+    text, tracker = _released(("aé",), [0, 1, 2, 3, 4])
+    assert text == " x" and tracker.stopped
+    text, tracker = _released(("aé",), [0, 1, 2, 4], final_at=4)  # 'a' then not 'é'
+    assert text == " xa\ufffd y" and not tracker.stopped
+
+
+def test_a_half_character_does_not_match_a_stop_string_of_u_fffd_until_final():
+    tracker = TextTracker(_BytesTokenizer(), ("\ufffd",))
+    assert tracker.update([0, 5]) == " x" and not tracker.stopped  # 2 of 3 bytes: may complete
+    text, tracker = _released(("\ufffd",), [0, 5], final_at=2)  # it never completed
+    assert text == " x" and tracker.stopped
