@@ -393,6 +393,32 @@ class TextTracker:
         return text
 
 
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """The raw bytes of one token of a byte-level BPE tokenizer (GPT-2's byte-to-character
+    map undone): for a token holding part of a character, decoding it alone gives U+FFFD,
+    its bytes are what joins with its neighbours'. None for other tokenizers."""
+    if not _decodes_by_bytes(tokenizer):
+        return None
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or any(c not in _BYTE_OF_CHAR for c in piece):
+        return None  # an added or special token: not byte-mapped
+    return bytes(_BYTE_OF_CHAR[c] for c in piece)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's map from the 256 printable stand-ins back to the bytes they stand for."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
 def _decodes_by_bytes(tokenizer) -> bool:
     """Whether `tokenizer.decode` maps each token to bytes and decodes their concatenation
     as UTF-8 (a Hugging Face fast tokenizer whose decoder is ByteLevel, with no clean-up of

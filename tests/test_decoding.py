@@ -232,3 +232,18 @@ def test_a_half_character_does_not_match_a_stop_string_of_u_fffd_until_final():
     assert tracker.update([0, 5]) == " x" and not tracker.stopped  # 2 of 3 bytes: may complete
     text, tracker = _released(("\ufffd",), [0, 5], final_at=2)  # it never completed
     assert text == " x" and tracker.stopped
+
+
+def test_token_bytes_join_back_a_character_split_over_tokens(model_dir):
+    """OpenAI's logprobs `bytes` exist to rebuild characters split over tokens: each
+    token's own bytes, not the UTF-8 of U+FFFD its text alone decodes to."""
+    from symbiont.decoding import token_bytes
+    from symbiont.serve.http.api import _Render
+    from symbiont.tenant import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    ids = tokenizer("héllo ✓", add_special_tokens=False).input_ids
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids), "no split character here"
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == "héllo ✓".encode()
+    render = _Render(tokenizer, as_ids=False, logprobs=None, echo=False, prompts=(), texts=())
+    assert bytes(sum((render.bytes_of(i) for i in ids), [])) == "héllo ✓".encode()

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from symbiont.decoding import InvalidSamplingParams, SamplingParams
+from symbiont.decoding import InvalidSamplingParams, SamplingParams, token_bytes
 from symbiont.serve.adapter_cache import AdapterFailed, AdapterState
 from symbiont.serve.adapters import AdapterError, AdapterNotFound
 from symbiont.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
@@ -379,6 +379,14 @@ class _Render:
             self.names[token_id] = name
         return name
 
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's `bytes`: a character split over tokens joins
+        back from them), else the UTF-8 of its text."""
+        raw = None
+        if self.tokenizer is not None and not self.as_ids and token_id < len(self.tokenizer):
+            raw = token_bytes(self.tokenizer, token_id)
+        return list(raw if raw is not None else self.token(token_id).encode())
+
     def completion(self, token_ids, entries, offset: int) -> tuple[dict, int]:
         """Legacy completions logprobs of `token_ids` (entries: TokenLogprob or None each),
         text offsets starting at `offset` -> (object, offset after the last token)."""
@@ -405,13 +413,13 @@ class _Render:
     def _chat_entry(self, entry) -> dict:
         name = self.token(entry.token_id)
         top = [
-            {"token": n, "logprob": _clamp(v), "bytes": list(n.encode())}
-            for n, v in ((self.token(t), v) for t, v in entry.top)
+            {"token": self.token(t), "logprob": _clamp(v), "bytes": self.bytes_of(t)}
+            for t, v in entry.top
         ]
         return {
             "token": name,
             "logprob": _clamp(entry.logprob),
-            "bytes": list(name.encode()),
+            "bytes": self.bytes_of(entry.token_id),
             "top_logprobs": top,
         }
 
