@@ -160,6 +160,16 @@ def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_p
     while not (plain and streamed) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert plain and streamed, "a client still waits on a server that exited"
+    # Ended as aborts, not cancelled by uvicorn: that logged tracebacks, answered a plain
+    # text 500 and cut the stream without [DONE].
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text
+    answer = plain["result"]
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "shutting_down"
+    assert "shutting down" in answer.json()["error"]["message"]
+    lines = streamed["result"]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
 
 
 def test_serve_exits_non_zero_when_the_engine_cannot_go_on(model_dir, tmp_path):

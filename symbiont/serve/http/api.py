@@ -565,6 +565,11 @@ async def _complete(engine, streams, view: _View, http: Request, metrics) -> dic
     if error:
         metrics.requests.labels("error").inc()
         raise APIError(500, error, "internal_error")
+    cut = [c for c in choices_by_key.values() if c.finish is None or str(c.finish) == "abort"]
+    if cut and not engine.alive:
+        # the server shut down under it (SIGTERM past the grace period): not an answer
+        metrics.requests.labels("error").inc()
+        raise APIError(503, engine._why_stopped(), "service_unavailable", code="shutting_down")
     metrics.requests.labels("ok").inc()
     choices = []
     for (i, j), choice in sorted(choices_by_key.items()):

@@ -9,6 +9,7 @@ engine thread fails for good, /health turns 503 and `run` stops the server and r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -77,7 +78,7 @@ class BackgroundServer:
     def __init__(self, config: ServerConfig, wait_ready: bool = True):
         self.config = config
         self.state = server_state(config)
-        self._server = uvicorn.Server(_uvicorn_config(config, self.state, log_level="warning"))
+        self._server = _Server(_uvicorn_config(config, self.state, log_level="warning"), self.state)
         self._thread = threading.Thread(target=self._server.run, name="symbiont-http", daemon=True)
         self._wait_ready = wait_ready
 
@@ -113,7 +114,7 @@ def run(config: ServerConfig) -> int:
 
         torch.set_num_threads(config.threads)
     state = server_state(config)
-    server = uvicorn.Server(_uvicorn_config(config, state))
+    server = _Server(_uvicorn_config(config, state), state)
 
     def engine_failed(why: str) -> None:  # from the engine thread
         log.critical("%s; stopping the server", why)
@@ -137,6 +138,30 @@ def run(config: ServerConfig) -> int:
     if state.load_error:
         raise RuntimeError(state.load_error)
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, ending the requests still running just before its grace period does: it
+    then cancels their handlers, which logged tracebacks and sent a plain 500 or a
+    stream cut without [DONE]. Stopped engines abort their requests instead, so every
+    handler ends as it would on an abort (streams finish, others get a 503)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self._state = state
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        ending = loop.call_later(max(SHUTDOWN_GRACE_S - 1.0, 0.0), self._end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    def _end_requests(self) -> None:
+        engine = self._state.engine
+        if engine is not None and engine.alive:  # joins its thread: not on the event loop
+            threading.Thread(target=engine.stop, name="symbiont-stop", daemon=True).start()
 
 
 def server_state(config: ServerConfig) -> ServerState:
