@@ -477,3 +477,16 @@ def test_tokenizing_a_request_does_not_stall_the_other_clients(server, monkeypat
         release.set()
         caller.join(30)
     assert answers and answers[0].status_code == 200, answers
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("best_of", 3), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("tools", [{}])],
+)
+def test_unimplemented_openai_fields_are_refused_not_ignored(server, field, value):
+    body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, field: value}
+    answer = _post(server, "/v1/completions", body)
+    assert answer.status_code == 400, answer.text
+    assert f"{field} is not implemented by this server" in answer.json()["error"]["message"]
+    neutral = {"best_of": 1, "logit_bias": {}, "presence_penalty": 0, "tools": []}[field]
+    assert _post(server, "/v1/completions", {**body, field: neutral}).status_code == 200

@@ -210,6 +210,9 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
         model=job.fine_tuned_model, messages=[{"role": "user", "content": "hi 1"}], max_tokens=4
     )
     assert chat.model == job.fine_tuned_model and chat.choices[0].message.content is not None
+    # /metrics is open to anyone: it counts fine-tuned models without naming them
+    exposed = httpx.get(str(alice.base_url).replace("/v1/", "/metrics")).text
+    assert "ft:" not in exposed and 'adapter="(fine-tuned)"' in exposed
 
 
 def test_other_tenants_see_nothing(server, alice, bob, model_dir):

@@ -305,3 +305,26 @@ def test_extreme_sampling_parameters_are_safe_and_bad_ones_named(server, client,
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     after = client.completions.create(model="lora4", prompt="Once", max_tokens=8, temperature=0)
     assert after.choices[0].text == greedy, "the engine did not go on after bad requests"
+
+
+def test_requests_total_counts_http_requests_streamed_or_not(server, client):
+    """A streamed request of 3 prompts counted 3 'ok' (one per prompt), a non-streamed
+    one 1; a stream the client left was not counted at all."""
+
+    def ok() -> float:
+        lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+        return sum(
+            float(line.split()[-1])
+            for line in lines
+            if line.startswith('symbiont_requests_total{outcome="ok"}')
+        )
+
+    before = ok()
+    prompts = ["a", "b", "c"]
+    client.completions.create(model="tiny-llama", prompt=prompts, max_tokens=2)
+    assert ok() == before + 1
+    for _ in client.completions.create(
+        model="tiny-llama", prompt=prompts, max_tokens=2, stream=True
+    ):
+        pass
+    assert ok() == before + 2

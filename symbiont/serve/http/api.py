@@ -511,10 +511,11 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 async def _sse(engine, streams, view: _View, include_usage: bool, metrics) -> AsyncIterator[str]:
     offsets, totals, prompt_logprobs = {}, {}, {}
+    outcome = "disconnected"  # counted once per HTTP request, as for non-streamed ones
     try:
         async for i, output in _merged(streams):
             if output.error:
-                metrics.requests.labels("error").inc()
+                outcome = "error"
                 yield _event(error_body(output.error, "internal_error"))
                 break
             if output.prompt_logprobs is not None:
@@ -537,7 +538,8 @@ async def _sse(engine, streams, view: _View, include_usage: bool, metrics) -> As
                 yield _event(view.chunk(choices))
             if output.finished:
                 totals[i] = (output.prompt_tokens, output.completion_tokens)
-                metrics.requests.labels("ok").inc()
+        else:
+            outcome = "ok"
         if include_usage:
             prompt, completion = (
                 (sum(t) for t in zip(*totals.values(), strict=True)) if totals else (0, 0)
@@ -545,6 +547,7 @@ async def _sse(engine, streams, view: _View, include_usage: bool, metrics) -> As
             yield _event({**view.chunk([]), "usage": usage(prompt, completion)})
         yield "data: [DONE]\n\n"
     finally:  # client gone or stream done: stop whatever is still generating
+        metrics.requests.labels(outcome).inc()
         for stream in streams:
             engine.abort(stream.request_id)
 

@@ -20,6 +20,9 @@ _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 MAX_ADAPTER_LABELS = 50
 BASE_LABEL = "(base)"
 OTHER_LABEL = "other"
+# Fine-tuned models are named ft:BASE:TENANT:SUFFIX:ID, and /metrics is open to anyone who
+# reaches the server: one label for all of them, so no tenant's models are listed.
+FINE_TUNED_LABEL = "(fine-tuned)"
 
 
 class ServeMetrics(EngineObserver):
@@ -115,6 +118,8 @@ class ServeMetrics(EngineObserver):
     def _label(self, adapter: str | None) -> str:
         if adapter is None:
             return BASE_LABEL
+        if adapter.startswith("ft:"):
+            return FINE_TUNED_LABEL
         if adapter not in self._labelled and len(self._labelled) >= MAX_ADAPTER_LABELS:
             return OTHER_LABEL
         self._labelled.add(adapter)

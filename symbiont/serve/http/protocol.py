@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from symbiont.decoding import MAX_LOGPROBS
 
@@ -17,8 +17,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server does not implement, and the values that ask for nothing:
+# any other value is refused (400) rather than silently ignored. Other unknown fields are
+# accepted and ignored (`user`, `metadata`, ...).
+UNSUPPORTED = {
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # checked by `_nothing_unsupported`, then unused
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -31,6 +49,15 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+
+    @model_validator(mode="after")
+    def _nothing_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise ValueError(
+                    f"{name} is not implemented by this server; leave it out (see docs/serving.md)"
+                )
+        return self
 
     @field_validator("stop")
     @classmethod
