@@ -92,3 +92,11 @@ def test_a_ready_file_in_a_missing_folder_is_refused_before_listening(capsys, tm
     ready = tmp_path / "missing" / "ready.json"
     err = refused(capsys, ["serve-base", "--model", DEFAULT, "--ready-file", str(ready)])
     assert f"--ready-file {ready}: its folder does not exist" in err and "serving" not in err
+
+
+def test_finetune_out_that_is_a_file_is_refused_before_loading(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    argv = ["finetune", "--model", DEFAULT, "--data", str(SFT), "--out", str(tmp_path / "afile")]
+    err = refused(capsys, argv)
+    assert "--out" in err and "is a file" in err
+    assert (tmp_path / "afile").read_text() == "x"

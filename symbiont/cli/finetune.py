@@ -225,6 +225,8 @@ def earlier_run(out: Path, *, resume: bool, overwrite: bool) -> list[Path]:
     from symbiont.train.checkpoints import ADAPTER_FILES, CHECKPOINT_PREFIX
     from symbiont.train.loop import METRICS_FILE, SUMMARY_FILE
 
+    if out.exists() and not out.is_dir():  # found only after the model and data loaded
+        raise FlagError(f"--out {out} is a file; --out is the run's folder: choose another")
     if resume or not out.is_dir():
         return []
     files = [out / name for name in (*ADAPTER_FILES, METRICS_FILE, SUMMARY_FILE)]
