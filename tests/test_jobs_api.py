@@ -767,3 +767,19 @@ def test_jobs_created_at_once_stay_within_max_concurrent_jobs(server):
     assert len(admitted) == 1 and sorted(o for o in outcomes if o != admitted[0]) == [429] * 4
     erin.fine_tuning.jobs.cancel(admitted[0])
     assert wait_for(erin, admitted[0]).status == "cancelled"
+
+
+def test_a_job_whose_model_could_not_be_served_is_refused_up_front(model_dir, tmp_path):
+    """With every adapter slot promised (models served by name, jobs that will publish
+    one), a new job was accepted, trained to the end, then failed: 'all adapter slots are
+    in use'. It is now refused when created, saying what frees a slot."""
+    engine = dataclasses.replace(ENGINE, max_adapters=1)
+    config = ServerConfig(model=str(model_dir), port=0, engine=engine, jobs_dir=str(tmp_path))
+    with BackgroundServer(config) as server:
+        api = client(server, None)
+        data = upload(api, chats(2))
+        first = create(api, data.id)  # takes the one slot: running, or served once done
+        err = refused(create, api, data.id)
+        assert err.status_code == 409 and err.code == "no_adapter_slot", err.message
+        assert "1 of --max-loras 1 are held" in err.message and "DELETE /v1/adapters" in err.message
+        assert [j.id for j in api.fine_tuning.jobs.list()] == [first.id]

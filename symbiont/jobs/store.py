@@ -289,7 +289,10 @@ class JobStore:
         rows = self._page("jobs", "tenant = ?", [tenant], after, limit)
         return [_job(r) for r in rows[:limit]], len(rows) > limit
 
-    def count_active(self, tenant: str) -> int:
+    def count_active(self, tenant: str | None) -> int:
+        """Jobs queued or running: the tenant's, or everyone's with None."""
+        if tenant is None:
+            return self._query(f"SELECT COUNT(*) AS n FROM jobs WHERE status IN {ACTIVE!r}")[0]["n"]
         rows = self._query(
             f"SELECT COUNT(*) AS n FROM jobs WHERE tenant = ? AND status IN {ACTIVE!r}", (tenant,)
         )

@@ -471,6 +471,24 @@ async def _upload(store: JobStore, tenant: str, form, limit: int) -> dict:
     return record.as_openai()
 
 
+def _check_slot_for(service: JobsService, engine) -> None:
+    """Every adapter slot taken by models loaded by name, plus one per job that will
+    publish one (and, with --adapter-dir, one slot the folder's adapters keep)."""
+    slots = engine.config.max_adapters
+    held = len(engine.adapters.names()) + (engine.cache is not None)
+    coming = service.jobs().count_active(None)
+    if held + coming + 1 > slots:
+        raise JobsError(
+            409,
+            f"no adapter slot would be free to serve this job's model: {held + coming} of "
+            f"--max-loras {slots} are held by served models and jobs that will publish one. "
+            "Unload a fine-tuned model of yours (DELETE /v1/adapters/NAME), wait for a job "
+            "to end, or ask the operator for a larger --max-loras",
+            None,
+            "no_adapter_slot",
+        )
+
+
 def _ended(status: str) -> str:
     ended = {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}
     return ended.get(status, status)
@@ -523,8 +541,10 @@ def _admit_job(service: JobsService, tenant: str) -> None:
 
 
 def _check_servable(service: JobsService, spec) -> None:
-    """The adapter the job makes must be one the engine can serve."""
+    """The adapter the job makes must be one the engine can serve, and have a slot to be
+    served in once trained (else the job trained, then failed to publish)."""
     engine = service.state.ready().engine
+    _check_slot_for(service, engine)
     peft = spec.peft
     # DoRA is served as a LoRA slot (plus magnitudes), so its rank has LoRA's bound
     if peft["method"] in ("lora", "dora") and peft["r"] > engine.config.max_lora_rank:
