@@ -490,3 +490,12 @@ def test_unimplemented_openai_fields_are_refused_not_ignored(server, field, valu
     assert f"{field} is not implemented by this server" in answer.json()["error"]["message"]
     neutral = {"best_of": 1, "logit_bias": {}, "presence_penalty": 0, "tools": []}[field]
     assert _post(server, "/v1/completions", {**body, field: neutral}).status_code == 200
+
+
+def test_a_chat_prompt_filling_the_context_names_the_messages(server):
+    """Without max_tokens, a chat whose prompt fills the context was refused naming
+    max_tokens (1), a field the client never sent."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 5000}]}
+    answer = _post(server, "/v1/chat/completions", body)
+    _assert_error(answer, 400, "messages")
+    assert "shorten the messages" in answer.json()["error"]["message"]

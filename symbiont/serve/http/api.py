@@ -278,8 +278,16 @@ def _sampling(
 ) -> SamplingParams:
     max_tokens = body.token_limit() if chat else body.max_tokens
     if max_tokens is None:  # chat default: whatever context is left (virtual tokens too)
-        left = engine.engine.max_model_len - len(prompt) - engine.engine.virtual_count(adapter)
-        max_tokens = max(1, left)
+        context = engine.engine.max_model_len
+        left = context - len(prompt) - engine.engine.virtual_count(adapter)
+        if left < 1:  # the client sent no max_tokens: name what it did send
+            raise APIError(
+                400,
+                f"the messages take {len(prompt)} tokens, leaving none of the model's context "
+                f"of {context} tokens to answer in; shorten the messages",
+                *_invalid("messages"),
+            )
+        max_tokens = left
     logprobs, prompt_logprobs = _logprob_counts(body, chat, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
