@@ -103,8 +103,10 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_per_adapter(server, tokeniz
             for token, value in zip(best.indices.tolist(), best.values.tolist(), strict=True):
                 assert abs(top[name(tokenizer, token)] - value) <= ATOL
             assert lp["tokens"][p] in top and len(top) <= 3  # the N likeliest + the token
-        lengths = [len(t) for t in lp["tokens"]]
-        assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+        special = set(tokenizer.all_special_ids)
+        for token_id, token, offset in zip(ids, lp["tokens"], lp["text_offset"], strict=True):
+            if token_id not in special:  # each token's text is in `text` where it says
+                assert choice["text"][offset : offset + len(token)] == token, (token, offset)
         assert response.json()["usage"]["completion_tokens"] == 0
 
 
@@ -313,3 +315,20 @@ def test_streamed_chat_logprobs_and_echo_with_n_equal_the_whole_response(server)
             assert merged == choice["logprobs"]
             assert "".join(c["text"] for c in parts) == choice["text"]
             assert choice["text"].startswith(body["prompt"])
+
+
+def test_echo_text_offsets_skip_the_bos_the_text_does_not_hold(tmp_path):
+    """The default model's tokenizer adds <|bos|>; the echoed text is the prompt as sent.
+    Offsets counted the BOS's 7 characters, so every offset pointed past its token."""
+    import symbiont
+
+    config = ServerConfig(model=str(symbiont.default_model()), port=0, engine=ENGINE)
+    with BackgroundServer(config) as running:
+        body = {"model": "default-v1", "prompt": "the fox", "max_tokens": 0, "echo": True}
+        answer = httpx.post(f"{running.url}/v1/completions", json={**body, "logprobs": 1})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"][0] == "<|bos|>" and lp["text_offset"][:2] == [0, 0]
+    for token, offset in zip(lp["tokens"][1:], lp["text_offset"][1:], strict=True):
+        assert choice["text"][offset : offset + len(token)] == token, (token, offset)

@@ -399,11 +399,13 @@ class _Render:
         """Legacy completions logprobs of `token_ids` (entries: TokenLogprob or None each),
         text offsets starting at `offset` -> (object, offset after the last token)."""
         tokens, values, tops, offsets = [], [], [], []
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
         for token_id, entry in zip(token_ids, entries, strict=True):
             name = self.token(token_id)
             tokens.append(name)
             offsets.append(offset)
-            offset += len(name)
+            # a special token (the BOS the tokenizer adds) has no text in `text`
+            offset += 0 if token_id in special else len(name)
             if entry is None:
                 values.append(None)
                 tops.append(None)
