@@ -866,3 +866,21 @@ def test_gpu_areas_the_client_cannot_map_fall_back_to_host_areas(
             assert executor.transport == "shm"
             x = torch.randn(2, server.executor.manifest.layers[0].in_features)
             assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
+
+
+@pytest.mark.parametrize("mode", ["shm", "zmq"])
+def test_fusion_never_makes_a_call_that_fits_exceed_max_call_bytes(served, mode):
+    """q/k/v fused into one call: their outputs together exceeded max_call_bytes for a call
+    of q_proj that fitted alone, and every step after the first was refused."""
+    manifest = served.executor.manifest
+    q, k, v = (manifest.layer_ids()[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv")
+    layers = manifest.layers
+    width = layers[q].in_features
+    fused = layers[q].out_features + layers[k].out_features + layers[v].out_features
+    rows = served.config.max_call_bytes // (4 * max(width, layers[q].out_features))
+    assert rows * fused * 4 > served.config.max_call_bytes  # fused, it would not fit
+    x = torch.randn(rows, width)
+    with remote(served.endpoints[0], mode=mode) as executor:
+        for _ in range(3):  # fusion learns the order on the first step
+            for layer in (q, k, v):
+                assert torch.equal(executor.forward(layer, x), served.executor.forward(layer, x))

@@ -172,7 +172,7 @@ class RemoteExecutor(Executor):
                 ready = self._fusion.take(layer, x)
                 if ready is not None:
                     return ready.to(x.device)
-                extra = self._fusion.plan(layer, x)
+                extra = self._within_call_limit(layer, x, self._fusion.plan(layer, x))
             what = []
             for attempt in range(self.config.retries + 1):
                 try:
@@ -209,6 +209,17 @@ class RemoteExecutor(Executor):
                     )
                     self._reopen()
         raise ExecutorUnavailable(self._lost_message(what))
+
+    def _within_call_limit(self, layer: int, x: torch.Tensor, extra: tuple) -> tuple:
+        """The fused layers, or none where their outputs together would exceed the
+        executor's max_call_bytes: a call that fits alone must not be refused for the
+        siblings fusion added to it (every later step would fail the same way)."""
+        if not extra:
+            return extra
+        layers = self._manifest.layers
+        widths = layers[layer].out_features + sum(layers[e].out_features for e in extra)
+        need = x.shape[0] * max(layers[layer].in_features, widths) * x.element_size()
+        return extra if need <= self._max_call_bytes else ()
 
     def _lost_message(self, what: list[str]) -> str:
         """Why calls stopped: the executor went away (the connection dropped, nobody
