@@ -884,3 +884,40 @@ def test_fusion_never_makes_a_call_that_fits_exceed_max_call_bytes(served, mode)
         for _ in range(3):  # fusion learns the order on the first step
             for layer in (q, k, v):
                 assert torch.equal(executor.forward(layer, x), served.executor.forward(layer, x))
+
+
+def test_an_ipc_path_holding_a_file_or_a_live_executor_is_refused(checkpoints, tmp_path):
+    """ZeroMQ removes what is at an ipc:// path before binding: a serve-base deleted a
+    file given by mistake, and took over another live serve-base's socket (whose clients
+    then found nobody; its exit removed the socket of the other)."""
+    import socket as sockets
+
+    base = symbiont.BaseExecutor.from_pretrained(checkpoints("llama"))
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    config = ServiceConfig(bind=(f"ipc://{precious}",))
+    with pytest.raises(OSError, match="a file is there and would be deleted"):
+        ExecutorServer(base, config).bind()
+    assert precious.read_text() == "keep me"
+
+    with serve_in_thread(checkpoints("llama"), tmp_path) as first:
+        live = ExecutorServer(base, ServiceConfig(bind=first.config.bind[1:]))
+        with pytest.raises(OSError, match="another process .* listens there"):
+            live.bind()
+        with remote(first.endpoints[1]) as executor:  # the first is still reachable
+            x = torch.randn(2, base.manifest.layers[0].in_features)
+            assert torch.equal(executor.forward(0, x), base.forward(0, x))
+
+    path = tmp_path / "stale.sock"
+    stale = sockets.socket(sockets.AF_UNIX)  # a socket file left by a killed server
+    stale.bind(str(path))
+    stale.close()
+    server = ExecutorServer(base, ServiceConfig(bind=(f"ipc://{path}",), spin_us=0))
+    server.bind()  # reused
+    thread = serving_thread(server)
+    with remote(server.endpoints[0]) as executor:
+        x = torch.randn(2, base.manifest.layers[0].in_features)
+        assert torch.equal(executor.forward(0, x), base.forward(0, x))
+    server.stop()
+    thread.join(10)
+    assert not path.exists(), "its own socket is removed at exit"

@@ -23,6 +23,8 @@ import logging
 import os
 import queue
 import secrets
+import socket
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,6 +100,7 @@ class ExecutorServer:
         self.stats = Counters(names)
         self.widths = [(s.in_features, s.out_features) for s in self.manifest.layers]
         self.endpoints: list[str] = []
+        self._ipc_files: dict[str, tuple[int, int] | None] = {}  # url -> (device, inode)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._stopping = False
@@ -149,11 +152,16 @@ class ExecutorServer:
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 256)  # per peer: at most ~256 MiB queued unread
         for url in self.config.bind:
+            if url.startswith("ipc://"):
+                _check_ipc_path(url.removeprefix("ipc://"))
             try:
                 sock.bind(url)
             except zmq.ZMQError as err:
                 raise OSError(f"cannot listen on {url}: {err}") from None
-            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoints.append(endpoint)
+            if endpoint.startswith("ipc://"):  # ours to remove at exit, while it is ours
+                self._ipc_files[endpoint] = _inode(endpoint.removeprefix("ipc://"))
         return self.endpoints
 
     def stop(self) -> None:
@@ -181,10 +189,11 @@ class ExecutorServer:
         os.close(self._wake_w)
         self._sock.close(linger=0)
         self._ctx.term()
-        for url in self.endpoints:
-            if url.startswith("ipc://"):
+        for url, inode in self._ipc_files.items():
+            path = url.removeprefix("ipc://")
+            if inode is not None and _inode(path) == inode:  # not a later server's socket
                 with contextlib.suppress(OSError):
-                    os.unlink(url.removeprefix("ipc://"))
+                    os.unlink(path)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -902,6 +911,40 @@ class Failed:
 
     layer: int
     error: BaseException
+
+
+def _check_ipc_path(path: str) -> None:
+    """ZeroMQ removes whatever is at an ipc:// path before it binds: refuse a path that
+    holds a file, or the socket of an executor still listening there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise OSError(
+            f"cannot listen on ipc://{path}: a file is there and would be deleted; choose "
+            "another path for the socket"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # a socket nobody listens on: left by a killed server, reused
+    finally:
+        probe.close()
+    raise OSError(
+        f"cannot listen on ipc://{path}: another process (a serve-base?) listens there; "
+        "stop it or choose another path"
+    )
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _transport(segment: shm.Segment | None) -> str:
