@@ -7,9 +7,11 @@ test_service_multiprocess.py; the exactness matrix over each transport in test_e
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -921,3 +923,21 @@ def test_an_ipc_path_holding_a_file_or_a_live_executor_is_refused(checkpoints, t
     server.stop()
     thread.join(10)
     assert not path.exists(), "its own socket is removed at exit"
+
+
+def test_a_killed_client_not_yet_reaped_counts_as_gone():
+    """kill(pid, 0) succeeds for a zombie: a SIGKILLed shared-memory client whose parent
+    had not reaped it kept its session and segment."""
+    import subprocess
+
+    from symbiont.base.server import _alive
+
+    child = subprocess.Popen(["sleep", "0"])
+    deadline = time.monotonic() + 10
+    while _alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)  # exits at once, and stays a zombie until waited for
+    assert not _alive(child.pid)
+    state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    assert state == "Z"
+    child.wait()
+    assert _alive(os.getpid())

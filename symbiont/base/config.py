@@ -138,7 +138,7 @@ class ServiceConfig:
         metadata={
             "help": "batches run at once, each on its own thread with --threads torch threads: "
             "with several clients at different layers, --workers CORES --threads 1 keeps every "
-            "core on a matmul without OpenMP's barriers (default 1: one batch at a time)"
+            "core on a matmul without OpenMP's barriers (1: one batch at a time)"
         },
     )
 

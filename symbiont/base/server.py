@@ -375,9 +375,9 @@ class ExecutorServer:
             why = "requires a token" if not token else "was started with another token"
             raise ProtocolError(
                 Code.REFUSED,
-                f"this executor {why}: give the value of its --token (command line: "
-                "--executor-token, or $SYMBIONT_TOKEN; Python: symbiont.connect(url, "
-                "token=...))",
+                f"this executor {why}: give the value of its --token (symbiont finetune, "
+                "generate, serve: --executor-token; symbiont stats: --token; any of them: "
+                "$SYMBIONT_TOKEN; Python: symbiont.connect(url, token=...))",
             )
 
     def _stats(self, key: bytes, request: Stats) -> None:
@@ -994,4 +994,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed client its parent has not reaped yet is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -138,8 +138,12 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
+        try:  # out of descriptors here too: close the segment, not leak its memfd
+            segment._bell_r, segment._bell_w = os.pipe()
+        except BaseException:
+            segment.close()
+            raise
         segment.gpu_share = share
-        segment._bell_r, segment._bell_w = os.pipe()
         os.set_blocking(segment._bell_w, False)
         segment.ctrl[CLIENT_BELL] = segment._bell_r
         return segment
