@@ -941,3 +941,27 @@ def test_a_killed_client_not_yet_reaped_counts_as_gone():
     assert state == "Z"
     child.wait()
     assert _alive(os.getpid())
+
+
+@pytest.mark.parametrize("mode", ["zmq", "shm"])
+def test_a_client_that_exits_without_closing_frees_its_session(served, mode):
+    """A frames client that exited (or was killed) kept its session for session_timeout_s
+    (10 minutes), and a few of them filled --max-sessions for everyone."""
+    import subprocess
+    import sys
+
+    before = len(served.sessions)
+    script = (
+        "import sys, torch, symbiont\n"
+        "e = symbiont.connect(sys.argv[1], mode=sys.argv[2])\n"
+        "e.forward(0, torch.zeros(1, e.manifest.layers[0].in_features))\n"
+        "import os; os._exit(0)\n"  # no close(), no BYE, no finalizers
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, served.endpoints[0], mode], timeout=120, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    deadline = time.monotonic() + 20  # frames sessions: once quiet for FRAMES_GONE_S
+    while len(served.sessions) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(served.sessions) == before, "the exited client's session is still held"

@@ -76,6 +76,7 @@ from symbiont.protocol.wire import (
 log = logging.getLogger("symbiont.base")
 
 HOUSEKEEPING_S = 1.0
+FRAMES_GONE_S = 5.0  # a same-host frames client quiet this long is checked for its pid
 # Limits against clients that hold state without using it (ServiceConfig fields to come):
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum operators cost µs
 SLEEP_RECHECK_MS = 20  # bounds the (tiny) race between "server asleep" and a client's post
@@ -90,6 +91,7 @@ class ExecutorServer:
         self.config = config
         self.manifest = executor.manifest
         self.instance = secrets.token_hex(8)  # tells clients which URLs reach this process
+        self._host = socket.gethostname()[:255]  # as clients name theirs in HELLO
         self.sessions: dict[bytes, Session] = {}
         # Queue keys: linear layers by id, then experts stacks (n_linear + experts id).
         self.n_linear = len(self.manifest.layers)
@@ -259,9 +261,19 @@ class ExecutorServer:
             if not session.waiting and idle > limit:
                 log.info("client %s idle for %.0f s: session closed", session.label, idle)
                 self._forget(session)
-            elif session.segment is not None and not _alive(session.pid):
+            elif self._exited(session, idle):
                 log.info("client %s (pid %d) has exited: session freed", session.label, session.pid)
                 self._forget(session)
+
+    def _exited(self, session: Session, idle: float) -> bool:
+        """Whether the session's client process is gone: one with a segment is on this
+        host; a frames client that says it is (its HELLO's host) is believed once it has
+        also been quiet for a while, so that a remote host of the same name loses nothing
+        (its session would be re-made anyway). Exited frames clients held their sessions
+        for session_timeout_s (10 minutes), and a few filled --max-sessions."""
+        if session.segment is None and (session.host != self._host or idle < FRAMES_GONE_S):
+            return False
+        return not _alive(session.pid)
 
     # -- socket messages -------------------------------------------------------
 
