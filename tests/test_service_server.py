@@ -7,6 +7,7 @@ test_service_multiprocess.py; the exactness matrix over each transport in test_e
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -965,3 +966,19 @@ def test_a_client_that_exits_without_closing_frees_its_session(served, mode):
     while len(served.sessions) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(served.sessions) == before, "the exited client's session is still held"
+
+
+def test_stats_answer_a_full_executor_without_taking_a_session(checkpoints, tmp_path, capsys):
+    """`symbiont stats` opened a session to ask: refused exactly when the executor was
+    full (--max-sessions), and listed among the clients it reported."""
+    from symbiont.cli import main
+
+    with (
+        serve_in_thread(checkpoints("llama"), tmp_path, max_sessions=1) as server,
+        remote(server.endpoints[0], label="the-one") as executor,
+    ):
+        executor.forward(0, torch.zeros(1, server.executor.manifest.layers[0].in_features))
+        assert main(["stats", server.endpoints[0], "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert [c["label"] for c in stats["clients"]] == ["the-one"]
+        assert len(server.sessions) == 1

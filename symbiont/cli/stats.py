@@ -34,13 +34,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from symbiont.client.remote import connect
+    from symbiont.client.remote import stats_of
 
     query = from_args(StatsQuery, args)
-    with connect(
-        args.url, token=query.token, mode="zmq", label="stats", connect_timeout_s=query.timeout
-    ) as executor:
-        stats = executor.stats()
+    stats = stats_of(args.url, token=query.token, timeout_s=query.timeout)
     print(json.dumps(stats, indent=2) if query.json else render(stats))
     return 0
 

@@ -55,6 +55,7 @@ from symbiont.protocol.wire import (
     Result,
     Ring,
     Stats,
+    StatsReply,
     decode,
     encode,
     tensor_bytes,
@@ -123,6 +124,33 @@ def connect(url: str, *, checkpoint=None, **options) -> RemoteExecutor:
         options.setdefault("fingerprint", Checkpoint.open(checkpoint).fingerprint)
     options.setdefault("token", os.environ.get("SYMBIONT_TOKEN"))
     return RemoteExecutor(url, ClientConfig(**options))
+
+
+def stats_of(url: str, *, token: str | None = None, timeout_s: float = 10.0) -> dict:
+    """The live statistics of the executor at `url` (what `symbiont stats URL` prints),
+    asked without opening a session: a full executor (--max-sessions) still answers,
+    and the question shows in no client list."""
+    check_url(url)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(url)
+        sock.send(encode(Stats(call_id=1, token=token)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise ExecutorUnavailable(
+                f"no base executor answered at {url} within {timeout_s:g} s: none runs there, "
+                "or it is stuck (start one with `symbiont serve-base`, or check the URL)"
+            )
+        reply = decode(sock.recv_multipart()[0])
+    finally:
+        sock.close(linger=0)
+        context.term()
+    if type(reply) is Error:
+        raise ExecutorError(f"base executor at {url}: {reply.message}")
+    if type(reply) is not StatsReply:
+        raise ExecutorError(f"base executor at {url} answered {type(reply).__name__}, not stats")
+    return reply.stats
 
 
 class _Lost(Exception):
