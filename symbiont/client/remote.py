@@ -158,6 +158,7 @@ class _Lost(Exception):
 
 
 TIMED_OUT = "timed out"
+SESSION_EXPIRED = "session expired"  # the executor ended an idle session: not a failure
 DROPPED = "dropped"
 BYE_LINGER_MS = 200  # how long closing a connection waits for its BYE to leave
 
@@ -201,23 +202,14 @@ class RemoteExecutor(Executor):
                 if ready is not None:
                     return ready.to(x.device)
                 extra = self._within_call_limit(layer, x, self._fusion.plan(layer, x))
-            what = []
-            for attempt in range(self.config.retries + 1):
-                try:
-                    outputs = self._call(op, layer, x, extra)
-                    if extra:
-                        self._fusion.keep(x, extra, outputs[1:])
-                    return outputs[0].to(x.device)
-                except _Lost as lost:
-                    what.append(str(lost) or TIMED_OUT)
-                    log.warning(
-                        "no answer from %s (attempt %d, %s): reconnecting",
-                        self.url,
-                        attempt + 1,
-                        what[-1],
-                    )
-                    self._reopen()
-        raise ExecutorUnavailable(self._lost_message(what))
+
+            def one_call() -> torch.Tensor:
+                outputs = self._call(op, layer, x, extra)
+                if extra:
+                    self._fusion.keep(x, extra, outputs[1:])
+                return outputs[0].to(x.device)
+
+            return self._retrying(one_call)
 
     def call_experts(self, op, experts, hidden, ids, weights, grad_y=None):
         check_experts_call(self._manifest, op, experts, hidden, ids, weights, grad_y)
@@ -225,18 +217,36 @@ class RemoteExecutor(Executor):
         if grad_y is not None:
             tensors["grad_y"] = grad_y
         with self._lock:
-            what = []
-            for attempt in range(self.config.retries + 1):
-                try:
-                    outputs = self._call_experts(op, experts, tensors)
-                    return tuple(t.to(hidden.device) for t in outputs)
-                except _Lost as lost:
-                    what.append(str(lost) or TIMED_OUT)
-                    log.warning(
-                        "no answer from %s (attempt %d, %s)", self.url, attempt + 1, what[-1]
-                    )
+
+            def one_call() -> tuple:
+                outputs = self._call_experts(op, experts, tensors)
+                return tuple(t.to(hidden.device) for t in outputs)
+
+            return self._retrying(one_call)
+
+    def _retrying(self, one_call):
+        """one_call(), on a new connection each time no answer comes, `retries` times. A
+        session the executor ended while we were idle is re-made once without spending
+        a retry (it is routine, not a failure), and no reconnect follows the last try."""
+        what, renewed, attempt = [], False, 0
+        while True:
+            try:
+                return one_call()
+            except _Lost as lost:
+                reason = str(lost) or TIMED_OUT
+                if reason == SESSION_EXPIRED and not renewed:
+                    renewed = True
+                    log.info("session with %s had expired: opening a new one", self.url)
                     self._reopen()
-        raise ExecutorUnavailable(self._lost_message(what))
+                    continue
+                what.append(reason)
+                if attempt >= self.config.retries:
+                    raise ExecutorUnavailable(self._lost_message(what)) from None
+                attempt += 1
+                log.warning(
+                    "no answer from %s (attempt %d, %s): reconnecting", self.url, attempt, reason
+                )
+                self._reopen()
 
     def _within_call_limit(self, layer: int, x: torch.Tensor, extra: tuple) -> tuple:
         """The fused layers, or none where their outputs together would exceed the
@@ -255,11 +265,11 @@ class RemoteExecutor(Executor):
         url, cfg = self.url, self.config
         if TIMED_OUT not in what:
             return (
-                f"lost the base executor at {url}: the connection dropped ({', '.join(what)}) "
-                f"and there was no answer from the base executor to {len(what)} reconnect "
-                f"attempts (each waits connect_timeout_s={cfg.connect_timeout_s:g} s). It has "
-                "exited: start `symbiont serve-base` at that URL again and retry (calls are "
-                "stateless; nothing is lost)"
+                f"lost the base executor at {url}: no answer from the base executor on "
+                f"{len(what)} tries, each after the first on a new connection ({', '.join(what)}"
+                f"; a reconnect waits connect_timeout_s={cfg.connect_timeout_s:g} s). It has "
+                "exited or restarts: start `symbiont serve-base` at that URL again and retry "
+                "(calls are stateless; nothing is lost)"
             )
         return (
             f"no answer from the base executor at {url}: {what.count(TIMED_OUT)} of "
@@ -481,7 +491,7 @@ class RemoteExecutor(Executor):
         segment = self._segment
         ctrl = segment.ctrl
         if ctrl[shm.CLOSED]:
-            raise _Lost("session expired")  # the executor freed it: reconnect
+            raise _Lost(SESSION_EXPIRED)  # the executor freed it: reconnect
         request.write(segment.input_area(), tensors)
         ctrl[shm.OP] = int(call.op)
         ctrl[shm.LAYER] = call.layer
@@ -538,7 +548,7 @@ class RemoteExecutor(Executor):
         ctrl = segment.ctrl
         rows = x.shape[0]
         if ctrl[shm.CLOSED]:
-            raise _Lost("session expired")  # the executor freed it: reconnect
+            raise _Lost(SESSION_EXPIRED)  # the executor freed it: reconnect
         segment.input(x.dtype, rows, in_w).copy_(x)
         segment.settle()  # GPU areas: x is there before the executor sees REQ_SEQ
         ctrl[shm.OP] = int(op)
@@ -610,7 +620,7 @@ class RemoteExecutor(Executor):
                 if ctrl[shm.RESP_SEQ] == seq:
                     break
                 if ctrl[shm.CLOSED]:
-                    raise _Lost("session expired")
+                    raise _Lost(SESSION_EXPIRED)
                 if not rung:  # the executor closed the bell: it is gone
                     raise _Lost(DROPPED)
                 if self._monitor.poll(0) and self._dropped():
@@ -674,7 +684,5 @@ class RemoteExecutor(Executor):
 
     def _raise(self, error: Error) -> None:
         if error.code is Code.NO_SESSION:
-            raise _Lost(
-                "session expired"
-            )  # the executor restarted or expired us: reconnect and resend
+            raise _Lost(SESSION_EXPIRED)  # the executor restarted or expired us: resend
         raise ExecutorError(f"base executor at {self.url}: {error.message}")
