@@ -100,3 +100,13 @@ def test_finetune_out_that_is_a_file_is_refused_before_loading(capsys, tmp_path)
     err = refused(capsys, argv)
     assert "--out" in err and "is a file" in err
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [("tcp://127.0.0.1", "has no port: write tcp://HOST:PORT"), ("ipc://", "has no path")],
+)
+def test_an_executor_url_without_port_or_path_is_refused_by_name(capsys, url, message):
+    """serve-base --bind tcp://127.0.0.1 said only ZeroMQ's 'Invalid argument'."""
+    err = refused(capsys, ["serve-base", "--model", DEFAULT, "--bind", url])
+    assert message in err

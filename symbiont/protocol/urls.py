@@ -15,6 +15,19 @@ def check_url(url: str) -> None:
         raise ValueError(
             f"unsupported executor URL {url!r}: use tcp://HOST:PORT or ipc:///path/to/socket"
         )
+    if url.startswith("tcp://") and not _has_port(url.removeprefix("tcp://")):
+        raise ValueError(
+            f"executor URL {url!r} has no port: write tcp://HOST:PORT (tcp://HOST:* to "
+            "listen on a free one)"
+        )
+    if url == "ipc://" or url.startswith("ipc://") and not url.removeprefix("ipc://"):
+        raise ValueError(f"executor URL {url!r} has no path: write ipc:///path/to/socket")
+
+
+def _has_port(address: str) -> bool:
+    """HOST:PORT, [IPV6]:PORT, or with * for the port."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and (port == "*" or port.isdigit()) and not host.endswith(":"))
 
 
 def is_loopback(url: str) -> bool:
