@@ -1005,3 +1005,22 @@ def test_an_expired_session_is_renewed_without_spending_a_retry(
         with caplog.at_level("WARNING", logger="symbiont.client"):
             assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
         assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def test_an_open_files_limit_below_max_sessions_is_said_at_start():
+    """Past the limit, shared-memory clients were refused as if nobody listened, and the
+    executor logged nothing."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))\n"
+        "logging.basicConfig()\n"
+        "from symbiont.base.main import _allow_files\n"
+        "_allow_files(4 * 256 + 256)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "may open 300 files" in err and "fewer than --max-sessions needs (1280)" in err

@@ -76,6 +76,15 @@ def _allow_files(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < wanted:  # clients would find nobody
+        log.warning(
+            "this process may open %d files (ulimit -n; hard limit %s), fewer than "
+            "--max-sessions needs (%d): shared-memory clients beyond about %d will be "
+            "refused; raise the limit or lower --max-sessions",
+            soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, wanted,
+            max((soft - 256) // 4, 0),
+        )  # fmt: skip
 
 
 def _pin(cpus: set[int]) -> None:
