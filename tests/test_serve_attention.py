@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.serve import Engine, EngineConfig, Request, SamplingParams
+from symbiont.serve import Engine, EngineConfig, Request, SamplingParams, attention
+from symbiont.serve.context import AttnGroup
 from tests.test_serve_common import Reference, prompts
 from tests.tiny_models import ARCHS, build_checkpoint
 
@@ -113,3 +114,83 @@ def test_schedule_order_does_not_change_logits(variant):
         logits = engine.runner.run(scheduled[::-1] if reverse else scheduled).sampling
         outputs.append(logits.flip(0) if reverse else logits)
     torch.testing.assert_close(outputs[0], outputs[1], atol=LOGITS_ATOL, rtol=0)
+
+
+LONG = EngineConfig(max_running=4, max_batched_tokens=240, block_size=16, num_blocks=96)
+
+
+@pytest.fixture(scope="module", params=["llama_gqa", "mistral_window"])
+def long_variant(request, tmp_path_factory):
+    arch, extra = VARIANTS[request.param]
+    extra = {**extra, "max_position_embeddings": 512}
+    if "sliding_window" in extra:
+        extra["sliding_window"] = 100  # shorter than the long chunks, longer than a block
+    config = {**ARCHS[arch].config, **extra}
+    base = build_checkpoint(
+        dataclasses.replace(ARCHS[arch], config=config), tmp_path_factory.mktemp(request.param)
+    )
+    return base, Reference(base, {})
+
+
+def test_long_chunks_attend_in_blocks_as_vanilla(long_variant, monkeypatch):
+    """Prefill chunks of CHUNK_BLOCKS_MIN tokens or more attend in query blocks: a first
+    chunk over its own keys and a continued chunk over its context in the pool. Every
+    sampled row's logits against vanilla, and the greedy tokens."""
+    base, reference = long_variant
+    blocked = []
+    real = attention._chunk_in_blocks
+
+    def spy(q, k, v, mask, start, scale):
+        blocked.append((q.shape[2], start))
+        return real(q, k, v, mask, start, scale)
+
+    monkeypatch.setattr(attention, "_chunk_in_blocks", spy)
+    engine = engine_for(base, LONG)
+    rows = []
+    run = engine.runner.run
+
+    def recording_run(scheduled):
+        logits = run(scheduled)
+        sampled = [item for item in scheduled if item.samples]
+        for item, row in zip(sampled, logits.sampling, strict=True):
+            rows.append((item.seq.token_ids[: item.start + item.n_tokens], row))
+        return logits
+
+    monkeypatch.setattr(engine.runner, "run", recording_run)
+    batch = prompts(1, seed=11, low=230, high=230) + prompts(1, seed=12, low=450, high=450)
+    got = engine.generate(batch, [None, None], SamplingParams(max_tokens=3, temperature=0.0))
+    assert any(start == 0 for _, start in blocked), blocked
+    assert any(start > 0 and m >= attention.CHUNK_BLOCKS_MIN for m, start in blocked), blocked
+    for prompt, tokens in zip(batch, got, strict=True):
+        assert tokens == reference.generate(prompt, None, 3)
+    for tokens, row in rows:
+        want = reference.logits(tokens, None)[-1]
+        assert torch.allclose(row, want, atol=LOGITS_ATOL), float((row - want).abs().max())
+
+
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("start", [0, 37])
+def test_a_chunk_in_blocks_equals_one_masked_call(start, window):
+    """`_chunk_in_blocks` against one SDPA call under the same mask: a chunk length that
+    is no multiple of the block, grouped query heads, with and without context before."""
+    m, heads, kv_heads, hd = 203, 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, m, hd, generator=g)
+    k, v = (torch.randn(1, kv_heads, start + m + 5, hd, generator=g) for _ in range(2))
+    group = AttnGroup(
+        n_seqs=1,
+        n_queries=m,
+        span=(0, m),
+        tokens=None,
+        blocks=None,
+        kv_width=start + m + 5,  # a gathered context is wider than the chunk needs
+        q_pos=torch.arange(start, start + m)[None],
+        kv_len=torch.tensor([start + m]),
+        start=start,
+    )
+    mask = group.mask(window, q.dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    got = attention._chunk_in_blocks(q, k, v, mask, start, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

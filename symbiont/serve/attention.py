@@ -17,6 +17,8 @@ group built once for the step. Where the context comes from:
 - other decoding sequences and continued chunks (scattered blocks of a fragmented pool):
   gathered from the pool a whole KV block at a time (one `index_select`);
 - a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
+A long chunk (CHUNK_BLOCKS_MIN tokens or more) attends in blocks of queries, each over
+the keys up to its last query, under the group's mask.
 Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
 the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
 once, not once per query head; chunks use SDPA's `enable_gqa`. Logit soft-capping
@@ -33,6 +35,10 @@ from transformers import AttentionInterface
 from symbiont.serve.context import AttnGroup, PoolRows, current_context
 
 ATTN_IMPLEMENTATION = "symbiont_paged"
+# A prefill chunk this long attends CHUNK_BLOCK queries at a time (`_chunk_in_blocks`):
+# first chunks ran 1.05-1.55x faster so from 192 to 1024 tokens on one core, 0.96x at 128
+CHUNK_BLOCKS_MIN = 192
+CHUNK_BLOCK = 64
 
 
 def paged_attention(
@@ -109,6 +115,8 @@ def _group_attention(
         kg, vg = _gather(k_pool, group, block), _gather(v_pool, group, block)
     if softcap is not None:
         out = _eager(qg, kg, vg, group.mask(window, qg.dtype), scale, softcap)
+    elif n == 1 and m >= CHUNK_BLOCKS_MIN:  # one long prefill chunk
+        out = _chunk_in_blocks(qg, kg, vg, group.mask(window, qg.dtype), group.start, scale)
     elif own_keys and window is None:  # causal over its own keys: no mask needed
         out = F.scaled_dot_product_attention(
             qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
@@ -125,6 +133,34 @@ def _group_attention(
             qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).reshape(n * m, heads, hd)  # [n, m, heads, hd] flattened
+
+
+def _chunk_in_blocks(
+    q: torch.Tensor,  # [1, heads, m, hd]: one prefill chunk
+    k: torch.Tensor,  # [1, kv_heads, >= start + m, hd]: its context, then its own keys
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [1, 1, m, k's width] additive
+    start: int,  # position of the chunk's first query
+    scale: float,
+) -> torch.Tensor:
+    """A long chunk's attention CHUNK_BLOCK queries at a time, each block over the keys up
+    to its last query -> [1, heads, m, hd]. The same math as one masked call: PyTorch's
+    CPU kernel computes whole 512-key blocks, so one call over a chunk spends up to half
+    its work on the masked keys after each query (BENCHMARKS.md, issue 17, session 13)."""
+    m = q.shape[2]
+    out = torch.empty_like(q)
+    for first in range(0, m, CHUNK_BLOCK):
+        stop = min(m, first + CHUNK_BLOCK)
+        keys = start + stop
+        out[:, :, first:stop] = F.scaled_dot_product_attention(
+            q[:, :, first:stop],
+            k[:, :, :keys],
+            v[:, :, :keys],
+            attn_mask=mask[:, :, first:stop, :keys],
+            scale=scale,
+            enable_gqa=True,
+        )
+    return out
 
 
 def _pool_rows_attention(

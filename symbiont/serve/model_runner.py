@@ -240,6 +240,7 @@ class ModelRunner:
             q_pos=q_pos.to(self.device),
             kv_len=kv_len.to(self.device),
             rows=rows,
+            start=starts[0] if len(items) == 1 else 0,
         )
 
     def _block_table(self, items: list[ScheduledSeq], max_kv: int) -> tuple[torch.Tensor, int]:
