@@ -165,6 +165,21 @@ def test_rows_of_every_token_add_to_the_whole_batch():
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_base_only_step_takes_the_short_path_with_the_same_batch():
+    """A step whose tokens all use no adapter skips sorting (`any_adapter=False`, what the
+    runner passes then): the batch it gets equals the full path's."""
+    layer, registry, _ = _layer_with_slots((4, 16), 16, 12, max_rank=16)
+    registry.slot_is_ia3[2] = registry.slot_is_dora[1] = True  # loaded, not used
+    zeros = torch.zeros(7, dtype=torch.long)
+    short, full = adapter_batch(zeros, registry, False), adapter_batch(zeros, registry)
+    assert (short.lora, short.has_ia3, short.has_dora, short.lora_rows) == ((), False, False, None)
+    assert (full.lora, full.has_ia3, full.has_dora, full.lora_rows) == ((), False, False, None)
+    assert torch.equal(short.token_slots, zeros)
+    x = torch.randn(7, 16)
+    with torch.no_grad(), use_context(SimpleNamespace(adapters=short)):
+        assert torch.equal(layer(x), layer.base(x))
+
+
 def test_reused_slot_keeps_no_rows_of_its_previous_adapter():
     """A slot refilled with a lower rank reads zeros where the old adapter's higher ranks
     were (both paths)."""

@@ -573,11 +573,18 @@ class ServedAdapterBatch(AdapterBatch):
 
 
 def adapter_batch(
-    token_slots: torch.Tensor, registry: AdapterRegistry, dense_min: int = DENSE_MIN_TOKENS
+    token_slots: torch.Tensor,
+    registry: AdapterRegistry,
+    any_adapter: bool = True,
+    dense_min: int = DENSE_MIN_TOKENS,
 ) -> ServedAdapterBatch:
     """Per-iteration adapter metadata, reused by every layer: LoRA tokens of adapters with
     at least `dense_min` tokens sorted into rank buckets and slot groups, the others as
-    rows read in place; base tokens in neither. token_slots [n_tokens]"""
+    rows read in place; base tokens in neither. token_slots [n_tokens]; any_adapter
+    False: the caller knows every slot is 0 (a base-only step: nothing to sort; sorting
+    took about 40 µs, 1% of a 4M-parameter model's decode step)."""
+    if not any_adapter:
+        return ServedAdapterBatch(token_slots=token_slots, lora=(), has_ia3=False)
     device = token_slots.device
     bucket_of = torch.tensor(registry.slot_bucket, device=device)[token_slots]  # [n_tokens]
     is_ia3 = torch.tensor(registry.slot_is_ia3, device=device)

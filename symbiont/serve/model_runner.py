@@ -127,7 +127,7 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             attn_groups=groups,
-            adapters=adapter_batch(self._tensor(token_slots), self.adapters),
+            adapters=adapter_batch(self._tensor(token_slots), self.adapters, any(token_slots)),
             keep_rows=keep,
         )
         n = len(sample_rows)
