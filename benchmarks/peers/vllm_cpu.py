@@ -100,7 +100,10 @@ def install_peer(venv: Path, timeout: float) -> Path:
 
     Raises PeerUnavailable with the reason when pip cannot fetch or install it, or when
     the installed server does not import."""
-    venv.mkdir(parents=True, exist_ok=True)
+    try:
+        venv.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PeerUnavailable(f"cannot make the venv folder {venv}: {err.strerror}") from None
     log = venv.parent / f"{venv.name}-install.log"
     python = peer_python(venv)
     venv_made = (
@@ -312,6 +315,53 @@ class Scenario:
         return f"{base}, {self.load}, {self.prompts}"
 
 
+def scenario_traces(bench, args, n_adapters: int, scenarios: list, vocab: int):
+    """-> ({scenario: trace}, warm-up trace). Every scenario and the warm-up get prompts of
+    their own (seeds args.seed + 1 + k, and args.seed): a prompt sent twice is served from
+    vLLM's prefix cache (on by default), which symbiont has not, so the ratio would measure
+    a cache hit instead of prefill. (Until session 13 the closed and Poisson scenarios of
+    one prompt length replayed the same prompts, and the warm-up the first scenario's.)"""
+    traces = {
+        s: bench.make_trace(trace_spec(args, n_adapters, s.prompts, args.seed + 1 + k), vocab)
+        for k, s in enumerate(scenarios)
+    }
+    warm = bench.make_trace(trace_spec(args, n_adapters, "short", args.seed), vocab)
+    return traces, warm
+
+
+def trace_spec(args, n_adapters: int, prompts: str, seed: int) -> SimpleNamespace:
+    """What `benchmarks/serve.py`'s make_trace reads, for one scenario."""
+    return SimpleNamespace(
+        seed=seed,
+        rate=args.rate,
+        requests=args.requests,
+        adapters=max(1, n_adapters),
+        zipf=args.zipf,
+        prompt_len=args.short if prompts == "short" else args.long,
+        output_len=args.output_len,
+    )
+
+
+def prefix_cache_hits(url: str) -> tuple[float, float] | None:
+    """(prompt tokens served from vLLM's prefix cache, prompt tokens looked up) so far, from
+    its /metrics; None where it does not say."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+            totals[family.name] = sum(
+                sample.value for sample in family.samples if sample.name.endswith("_total")
+            )
+    if len(totals) < 2:
+        return None
+    return totals["vllm:prefix_cache_hits"], totals["vllm:prefix_cache_queries"]
+
+
 def summary(result) -> dict:
     def pct(values, q):
         return float(np.percentile(values, q) * 1000) if values else float("nan")
@@ -459,6 +509,14 @@ def write_report(args, rows: list[dict]) -> None:
         f"{args.long[1]}), closed loop {args.users} users, Poisson {args.rate}/s. "
         "Columns after vLLM tok/s are symbiont / vLLM.\n\n"
     )
+    hits = [
+        f"{row['label']} {h:.0f}/{q:.0f}"
+        for row in rows
+        if (hq := row["vllm"].get("prefix_cache_hits")) is not None
+        for h, q in [hq]
+    ]
+    if hits:  # every prompt is new to the server, so these should all be 0
+        table += "\nvLLM prefix cache hits (prompt tokens hit/looked up): " + ", ".join(hits) + "\n"
     (args.out / "vllm_cpu.md").write_text(header + table)
     (args.out / "vllm_cpu.json").write_text(
         json.dumps(
@@ -566,18 +624,7 @@ def main(argv=None) -> int:
         for n in args.adapters_list:
             adapters = all_adapters[:n]
             scenarios = [Scenario(n, load, kind) for load in loads for kind in prompt_kinds]
-            traces = {}
-            for s in scenarios:
-                spec = SimpleNamespace(
-                    seed=args.seed,
-                    rate=args.rate,
-                    requests=args.requests,
-                    adapters=max(1, n),
-                    zipf=args.zipf,
-                    prompt_len=args.short if s.prompts == "short" else args.long,
-                    output_len=args.output_len,
-                )
-                traces[s] = bench.make_trace(spec, vocab)
+            traces, warm_trace = scenario_traces(bench, args, n, scenarios, vocab)
             models = [f"a{i}" for i in range(n)] if n else ["base"]
             measured = {}
             for system in ("vllm", "symbiont"):
@@ -606,7 +653,7 @@ def main(argv=None) -> int:
                 try:
                     warm = [
                         bench.TraceItem(0, i % len(models), item.prompt, 4)
-                        for i, item in enumerate(traces[scenarios[0]][: len(models) + 2])
+                        for i, item in enumerate(warm_trace[: len(models) + 2])
                     ]
                     try:
                         asyncio.run(drive(url, warm, models, users=None))
@@ -625,6 +672,7 @@ def main(argv=None) -> int:
                         )
                         return 0
                     for s in scenarios:
+                        hits_before = prefix_cache_hits(url) if system == "vllm" else None
                         stats, seconds = asyncio.run(
                             drive(
                                 url, traces[s], models, args.users if s.load == "closed" else None
@@ -634,7 +682,12 @@ def main(argv=None) -> int:
                             system, stats["tokens"], seconds, stats["ttft"], stats["itl"]
                         )
                         measured[(s, system)] = summary(result)
-                        print(f"  {s.label:<28} {system:<9} {result.row()[20:]}", flush=True)
+                        hits = ""
+                        if hits_before is not None and (after := prefix_cache_hits(url)):
+                            hit, asked = (a - b for a, b in zip(after, hits_before, strict=True))
+                            measured[(s, system)]["prefix_cache_hits"] = [hit, asked]
+                            hits = f"  prefix cache hits {hit:.0f} of {asked:.0f} tokens"
+                        print(f"  {s.label:<28} {system:<9} {result.row()[20:]}{hits}", flush=True)
                 finally:
                     server.__exit__(None, None, None)
             for s in scenarios:
