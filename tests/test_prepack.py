@@ -4,6 +4,8 @@ rounding, the same greedy tokens as vanilla transformers, forward calls only, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,11 @@ from symbiont import BaseExecutor, load_client
 from symbiont.base.prepack import (
     MIN_PACKED_WEIGHTS,
     PACKED_MIN_ROWS,
+    PACKED_MIN_ROWS_FLOOR,
     PrepackedExecutor,
+    _Packed,
     can_prepack,
+    packed_min_rows,
 )
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
@@ -21,6 +26,7 @@ from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
 from symbiont.tenant import open_executor
 from tests.test_serve_common import Reference, prompts
+from tests.tiny_models import ARCHS, build_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN"
@@ -61,7 +67,8 @@ def test_conv1d_layers_stay_plain_and_exact(checkpoints):
 def test_small_layers_keep_their_plain_weights_beside_a_packed_copy(checkpoints):
     """Below MIN_PACKED_WEIGHTS a module keeps its plain weights (calls of few rows stay
     bit for bit the plain executor's, and backward works) and gets a packed copy for calls
-    of PACKED_MIN_ROWS rows and more; packing big modules changes no memory."""
+    of its product's `packed_min_rows` rows and more; packing big modules changes no
+    memory."""
     plain = BaseExecutor.from_pretrained(checkpoints("llama"))
     default = PrepackedExecutor(BaseExecutor.from_pretrained(checkpoints("llama")))
     assert all(s.in_features * s.out_features < MIN_PACKED_WEIGHTS for s in plain.manifest.layers)
@@ -76,8 +83,12 @@ def test_small_layers_keep_their_plain_weights_beside_a_packed_copy(checkpoints)
     assert everything.weight_bytes() == plain.weight_bytes()
     g = torch.Generator().manual_seed(1)
     for spec in plain.manifest.layers:
-        few = torch.randn(PACKED_MIN_ROWS - 1, spec.in_features, generator=g)
-        many = torch.randn(PACKED_MIN_ROWS, spec.in_features, generator=g)
+        if spec.kind is not LayerKind.LINEAR:
+            continue
+        product = default._home[spec.id][0]
+        assert product.min_rows == packed_min_rows(sum(product.widths) * spec.in_features)
+        few = torch.randn(product.min_rows - 1, spec.in_features, generator=g)
+        many = torch.randn(product.min_rows, spec.in_features, generator=g)
         assert torch.equal(
             default.call(Op.FORWARD, spec.id, few), plain.call(Op.FORWARD, spec.id, few)
         )
@@ -152,13 +163,70 @@ def test_fused_calls_give_what_separate_calls_give(checkpoints, min_weights, row
         for w, f, a in zip(want, got, alone, strict=True):
             assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
             assert torch.allclose(a, w, atol=ATOL, rtol=RTOL)
-        if not packed.packed_layers and rows < PACKED_MIN_ROWS:  # the plain block itself
+        product = packed._fused[fused]
+        if not packed.packed_layers and rows < product.min_rows:  # the plain block itself
             assert all(torch.equal(w, f) for w, f in zip(want, got, strict=True))
         partial = fused[:2]  # a fused call that is no packed product: one per layer
         for w, f in zip(
             plain.forward_fused(partial, x), packed.forward_fused(partial, x), strict=True
         ):
             assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """Layers under MIN_PACKED_WEIGHTS whose products run packed from 2 (gate/up: 360K
+    weights), 3 (down: 180K), 4 (q/k/v: 131K) and 8 rows (o: 65K; the output layer: 32K)."""
+    config = {
+        **ARCHS["llama"].config,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return build_checkpoint(
+        dataclasses.replace(ARCHS["llama"], config=config), tmp_path_factory.mktemp("wide")
+    )
+
+
+def test_decode_steps_of_few_rows_run_packed_and_generate_what_vanilla_does(
+    wide_llama, monkeypatch
+):
+    """Three sequences decoding: the gate/up and down products run packed at 3 rows (q/k/v
+    and o stay plain), and the greedy tokens are vanilla transformers'."""
+    executor = PrepackedExecutor(BaseExecutor.from_pretrained(wide_llama))
+    names = {p.layers: executor.manifest.layers[p.layers[0]].name for p in executor._products()}
+    assert sorted(p.min_rows for p in executor._products()) == [2, 3, 4, 8, 8]  # o, lm_head
+    packed_at = []
+    real = _Packed.__call__
+
+    def spy(self, x):
+        packed_at.append((names[self.layers].rpartition(".")[2], x.shape[0]))
+        return real(self, x)
+
+    monkeypatch.setattr(_Packed, "__call__", spy)
+    config = EngineConfig(max_running=3, max_batched_tokens=64, block_size=4, num_blocks=64)
+    engine = Engine(load_client(wide_llama, executor), config)
+    batch = prompts(3, seed=4)
+    outputs = engine.generate(batch, None, SamplingParams(max_tokens=6, temperature=0.0))
+    assert {("gate_proj", 3), ("down_proj", 3)} <= set(packed_at), packed_at
+    assert not {name for name, rows in packed_at if rows == 3} & {"q_proj", "o_proj"}
+    reference = Reference(wide_llama, {})
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == reference.generate(prompt, None, 6)
+
+
+def test_bigger_small_products_run_packed_from_fewer_rows():
+    """The plain product's time grows with each row, the packed one's hardly up to 4, so
+    the row count from which a small product runs packed falls with its size."""
+    assert packed_min_rows(16 * 1024) == packed_min_rows(64 * 1024) == PACKED_MIN_ROWS
+    assert packed_min_rows(128 * 1024) == 4
+    assert packed_min_rows(256 * 1024) == packed_min_rows(400_000) == PACKED_MIN_ROWS_FLOOR
+    sizes = [2**k for k in range(8, 22)]
+    rows = [packed_min_rows(n) for n in sizes]
+    assert rows == sorted(rows, reverse=True)
+    assert all(PACKED_MIN_ROWS_FLOOR <= r <= PACKED_MIN_ROWS for r in rows)
 
 
 def test_q_k_v_and_gate_up_are_one_packed_product_each(checkpoints):

@@ -9,8 +9,13 @@ layers at one row (0.2-0.7x for 4K-260K weights; `python benchmarks/prepack.py`)
 - a module holding a layer of at least `MIN_PACKED_WEIGHTS` weights is packed, and its
   plain weights are dropped;
 - a smaller module keeps its plain weights and gets a packed copy as well (each such layer
-  is under 2 MiB), used for calls of at least `PACKED_MIN_ROWS` rows: the engine's decode
-  steps of a 4M-parameter model ran 17% faster so at 16 sequences and equal at 4;
+  is under 2 MiB), used for calls of at least `packed_min_rows(weights)` rows: 2 for a
+  product of 256K weights or more, up to `PACKED_MIN_ROWS` (8) for one of 64K or fewer.
+  The plain product's time grows with the rows from the first, the packed one's hardly up
+  to 4 rows, so the bigger the product the sooner packed wins: on an AMD EPYC with
+  AVX-512, 352K weights took 27 against 38 µs at 2 rows, 65K weights 12.6 against 7.0 µs.
+  Decode steps of a 4M-parameter model with 2-6 sequences ran 1.16-1.28x faster than with
+  packed copies from 8 rows for every size (BENCHMARKS.md, issue 17, session 13);
 - layers that clients call as one fused call (q/k/v, gate/up: `FUSED_SIBLINGS`) are packed
   together, one oneDNN product per fused call, as the plain executor runs one matmul over
   their block (decode steps of a 97.5M model 6% faster than one packed product per layer).
@@ -27,7 +32,7 @@ message.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +43,21 @@ from symbiont.protocol.executor import ExecutorError, Op
 
 # 512K weights: 768x768 won 1.2-1.6x at 8-32 rows; 256x688 lost at one row (0.6x)
 MIN_PACKED_WEIGHTS = 1 << 19
-# Smaller layers run packed from this many rows (4M model, decode: even at 4, 17% at 16)
+# Smaller layers run packed from packed_min_rows(weights) rows: between these two
 PACKED_MIN_ROWS = 8
+PACKED_MIN_ROWS_FLOOR = 2
+# A product of this many weights would run packed from one row (1 << 19: 512K)
+PACKED_ONE_ROW_WEIGHTS = 1 << 19
+
+
+def packed_min_rows(weights: int) -> int:
+    """Rows from which a small product of `weights` weights runs packed: about where a
+    packed call, whose time hardly grows up to 4 rows, beats the plain one, whose time
+    grows with every row. 64K weights -> 8, 128K -> 4, 256K and more -> 2."""
+    rows = -(-PACKED_ONE_ROW_WEIGHTS // max(1, weights))
+    return max(PACKED_MIN_ROWS_FLOOR, min(PACKED_MIN_ROWS, rows))
+
+
 # Sibling layers (last name parts, in module order) that clients call as one fused call
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -80,11 +98,13 @@ class PrepackedExecutor(BaseExecutor):
         self,
         base: BaseExecutor,
         min_weights: int = MIN_PACKED_WEIGHTS,
-        min_rows: int | None = PACKED_MIN_ROWS,
+        min_rows: int | Callable[[int], int] | None = packed_min_rows,
         fuse_siblings: bool = True,
     ):
-        """min_rows None: small modules get no packed copy; fuse_siblings False: one
-        packed product per layer (how this executor packed before both)."""
+        """min_rows: rows from which a small module's packed copy is used, or a function
+        of the product's weights giving them; None: small modules get no packed copy;
+        fuse_siblings False: one packed product per layer (how this executor packed before
+        both)."""
         if not can_prepack(base.device, base.manifest.dtype):
             raise ValueError(
                 f"packed weights need float32 on a CPU with oneDNN, not "
@@ -106,7 +126,7 @@ class PrepackedExecutor(BaseExecutor):
                 torch.ops.mkldnn._reorder_linear_weight(weight, 32),
                 bias,
                 tuple(specs[i].out_features for i in layers),
-                0 if layers[0] in big else min_rows,
+                0 if layers[0] in big else _rows_for(min_rows, weight.numel()),
             )
             if len(layers) > 1:
                 self._fused[layers] = packed
@@ -160,6 +180,10 @@ class PrepackedExecutor(BaseExecutor):
         """Plain weights kept (a block's views counted once) and every packed product."""
         packed = sum(p.weight.numel() * p.weight.element_size() for p in self._products())
         return super().weight_bytes() + packed
+
+
+def _rows_for(min_rows: int | Callable[[int], int], weights: int) -> int:
+    return min_rows(weights) if callable(min_rows) else min_rows
 
 
 def _layers_to_pack(specs, min_weights: int) -> set[int]:
