@@ -10,7 +10,9 @@ Three ways of running the same N jobs on the same cores, each measured in this r
   computed in fp32 (`from_pretrained(bf16_dir, dtype=float32)`): every process converts,
   so every process holds a private fp32 copy (as it would after a dtype change, a move
   to a device, or quantisation).
-- `symbiont`: one `serve-base` holding the fp32 weights once, N clients without them.
+- `symbiont`: one `serve-base` holding the fp32 weights once, N clients without them
+  (`--executor-matmul onednn`: serve-base computes its products on oneDNN, which the
+  vanilla jobs, using torch's default, do not).
 - `inprocess` / `inprocess-unfused`: each job hosts its own `BaseExecutor` in-process
   (`symbiont finetune` without `--executor`), with q/k/v and gate/up forward calls fused
   into one call and one matmul (the default), or one call per layer: throughput of the
@@ -519,7 +521,7 @@ def _measures_gpu(args) -> bool:
 
 
 def _policy_flags(args) -> list[str]:
-    flags = ["--workers", str(args.executor_workers)]
+    flags = ["--workers", str(args.executor_workers), "--matmul", args.executor_matmul]
     if args.spin_us is not None:
         flags += ["--spin-us", str(args.spin_us)]
     if args.max_wait_ms is not None:
@@ -826,6 +828,13 @@ def main(argv=None) -> int:
         type=int,
         default=1,
         help="torch threads per serve-base worker (default 1, like each job)",
+    )
+    parser.add_argument(
+        "--executor-matmul",
+        choices=("torch", "onednn"),
+        default="torch",
+        help="serve-base --matmul: torch (default; MKL on a CPU, what the vanilla jobs use) or "
+        "onednn (symbiont/base/onednn.py)",
     )
     parser.add_argument(
         "--executor-workers",

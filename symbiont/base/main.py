@@ -34,15 +34,20 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     if process.num_threads:
         torch.set_num_threads(process.num_threads)
     executor = load(model, device=process.device, dtype=process.dtype)
+    if process.matmul == "onednn":
+        from symbiont.base.onednn import OneDnnExecutor
+
+        executor = OneDnnExecutor(executor)
     server = ExecutorServer(executor, config)
     endpoints = server.bind()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.stop())
     log.info(
-        "serving %s (%d layers, %s, fingerprint %s) on %s, policy %s%s",
+        "serving %s (%d layers, %s, %s products, fingerprint %s) on %s, policy %s%s",
         model,
         len(executor.manifest.layers),
         executor.manifest.dtype,
+        process.matmul,
         executor.manifest.fingerprint,
         ", ".join(endpoints),
         config.policy.kind,

@@ -1,0 +1,78 @@
+"""Base products computed by oneDNN on the plain weights (`serve-base --matmul onednn`).
+
+`F.linear` and `mm` on a CPU call MKL's sgemm. On the AMD EPYC (AVX-512) machines these
+benchmarks ran on, sgemm reached about 100 GFLOP/s on one core for the products of a
+fine-tuning step (64-256 rows), while oneDNN's linear on the very same weights, with no
+copy and no repacking, reached 200-230 GFLOP/s (`python benchmarks/onednn_matmul.py`):
+MKL picks slower code paths on CPUs it does not tune for, oneDNN compiles its kernels for
+the CPU it finds. Forward calls (`x Wᵀ + b`) and backward calls (`grad_y W`, oneDNN's
+linear on the weight's transposed view) of ONEDNN_MIN_ROWS rows or more run there (fewer
+stay torch's, which was as fast or faster at one row), so unlike packed weights
+(`symbiont/base/prepack.py`) this serves fine-tuning, and costs no memory.
+
+Results agree with torch's within fp32 rounding (another summation order), not bit for
+bit, so a job through such an executor computes what a vanilla job computes within that
+rounding, not exactly; `--matmul torch` (the default) keeps every product bitwise the
+vanilla one. Where MKL is tuned for the CPU the two are about as fast: measure
+(`benchmarks/onednn_matmul.py` prints the ratio) before choosing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from symbiont.base.executor import BaseExecutor
+from symbiont.model.layers import LayerKind
+from symbiont.protocol.executor import Op
+
+MATMULS = ("torch", "onednn")
+# Calls of fewer rows stay torch's: at one row oneDNN was 0.34-1.5x torch's (a backward on
+# the transposed view the slowest), from 8 rows 1.05-3.1x (benchmarks/onednn_matmul.py)
+ONEDNN_MIN_ROWS = 8
+
+
+def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes this placement's products: float32 on a CPU with oneDNN."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x Wᵀ + b by oneDNN. x [n, in], weight [out, in] (any strides) -> [n, out]"""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+class OneDnnExecutor(BaseExecutor):
+    """A `BaseExecutor` whose linear products (forward and backward) run on oneDNN.
+
+    Takes over `base`'s tensors as they are: no copy, no new layout."""
+
+    def __init__(self, base: BaseExecutor):
+        if not can_use_onednn(base.device, base.manifest.dtype):
+            dtype = str(base.manifest.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"--matmul onednn computes float32 on a CPU with oneDNN, not {dtype} on "
+                f"{base.device}; use --matmul torch (or --dtype float32 on the CPU)"
+            )
+        super().__init__(base.manifest, base._weights, base.device, base._experts, base._blocks)
+
+    def run(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < ONEDNN_MIN_ROWS:
+            return super().run(op, layer, x)
+        w = self._weights[layer]
+        if op is Op.FORWARD:  # LINEAR: x Wᵀ + b; CONV1D (weight [in, out]): x W + b
+            weight = w.weight if w.kind is LayerKind.LINEAR else w.weight.t()
+            return onednn_linear(x, weight, w.bias)
+        # grad_x = grad_y W (LINEAR) or grad_y Wᵀ (CONV1D): a linear on the other layout
+        weight = w.weight.t() if w.kind is LayerKind.LINEAR else w.weight
+        return onednn_linear(x, weight, None)
+
+    def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        run = self._runs.get(layers)
+        if run is None or x.shape[0] < ONEDNN_MIN_ROWS:
+            return super().run_fused(layers, x)
+        y = onednn_linear(x, run.weight, run.bias)  # [n_tokens, sum_out]
+        return y.split_with_sizes(run.widths, dim=1)  # views, one per layer

@@ -1,0 +1,104 @@
+"""`serve-base --matmul onednn` (symbiont/base/onednn.py): every product within fp32
+rounding of torch's, forward and backward, LINEAR and CONV1D layers, fused runs; a LoRA
+step through a serve-base computing on oneDNN equal to vanilla transformers + peft within
+that rounding; clear refusals where oneDNN does not compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symbiont
+from symbiont import BaseExecutor
+from symbiont.base.config import BaseProcessConfig
+from symbiont.base.onednn import ONEDNN_MIN_ROWS, OneDnnExecutor, can_use_onednn
+from symbiont.model.layers import LayerKind
+from symbiont.protocol.executor import Op
+from tests.test_exactness import batch, grads, lora, make_pair
+from tests.tiny_models import ARCHS
+
+pytestmark = pytest.mark.skipif(
+    not can_use_onednn("cpu", torch.float32), reason="this torch build has no oneDNN"
+)
+# another summation order: fp32 rounding apart, relative to the output scale
+ATOL, RTOL = 1e-5, 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # qwen2: biases; gpt2: CONV1D
+def test_every_product_within_fp32_rounding_of_torch(checkpoints, arch):
+    plain = BaseExecutor.from_pretrained(checkpoints(arch))
+    onednn = OneDnnExecutor(BaseExecutor.from_pretrained(checkpoints(arch)))
+    kinds = {s.kind for s in plain.manifest.layers}
+    assert LayerKind.CONV1D in kinds if arch == "gpt2" else LayerKind.LINEAR in kinds
+    g = torch.Generator().manual_seed(0)
+    for spec in plain.manifest.layers:
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, spec.in_features, generator=g)
+            grad_y = torch.randn(rows, spec.out_features, generator=g)
+            for op, data in ((Op.FORWARD, x), (Op.BACKWARD, grad_y)):
+                want, got = plain.call(op, spec.id, data), onednn.call(op, spec.id, data)
+                assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), (spec.name, op, rows)
+                if rows < ONEDNN_MIN_ROWS:  # few rows stay torch's, bit for bit
+                    assert torch.equal(got, want), (spec.name, op, rows)
+    for layers in plain._runs:  # q/k/v, gate/up: one product over the block
+        x = torch.randn(9, plain.manifest.layers[layers[0]].in_features, generator=g)
+        for w, f in zip(
+            plain.forward_fused(layers, x), onednn.forward_fused(layers, x), strict=True
+        ):
+            assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
+    assert onednn.weight_bytes() == plain.weight_bytes()  # the same tensors, no copy
+
+
+def test_refused_where_onednn_does_not_compute(checkpoints, tmp_path):
+    base = BaseExecutor.from_pretrained(checkpoints("llama"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"not bfloat16 on cpu; use --matmul torch"):
+        OneDnnExecutor(base)
+    with pytest.raises(ValueError, match=r"--matmul onednn computes float32 on the CPU"):
+        BaseProcessConfig(model=str(tmp_path), matmul="onednn", dtype="bfloat16")
+    assert BaseProcessConfig(model=str(tmp_path), matmul="onednn").matmul == "onednn"
+
+
+@pytest.fixture(scope="module")
+def onednn_base(checkpoints):
+    from symbiont.processes import ServerProcess
+
+    path = checkpoints("llama")
+    server = ServerProcess(path, args=("--threads", "1", "--matmul", "onednn")).start()
+    yield path, server
+    server.stop()
+
+
+def test_a_lora_step_through_a_onednn_serve_base_equals_vanilla(onednn_base):
+    """Logits, loss and every LoRA gradient of one step through `serve-base --matmul
+    onednn` (shared memory) against vanilla transformers + peft, within fp32 rounding."""
+    path, server = onednn_base
+    assert "float32, onednn products" in server.log_text()
+    executor = symbiont.connect(server.url("tcp"), mode="shm", checkpoint=path)
+    try:
+        vanilla, split = make_pair(path, executor, lora(ARCHS["llama"], all_linear=True))
+        inputs = batch()
+        want = vanilla(**inputs, labels=inputs["input_ids"])
+        got = split(**inputs, labels=inputs["input_ids"])
+        assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+        want.loss.backward()
+        got.loss.backward()
+        assert torch.allclose(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+        ours, theirs = grads(split), grads(vanilla)
+        assert ours.keys() == theirs.keys() and ours
+        for name in theirs:
+            assert torch.allclose(ours[name], theirs[name], atol=1e-5, rtol=1e-4), name
+    finally:
+        executor.close()
+
+
+def test_the_flag_reaches_serve_base_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "symbiont", "serve-base", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--matmul {torch,onednn}" in out
