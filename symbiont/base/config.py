@@ -221,7 +221,7 @@ class BaseProcessConfig:
         metadata={
             "help": "what computes the base's products: torch (F.linear: on a CPU, MKL; bitwise "
             "what a vanilla job computes) or onednn (oneDNN on the same weights, float32 on a "
-            "CPU, forward and backward, no extra memory: 2.0-2.3x faster than torch's on an AMD "
+            "CPU, forward and backward, no extra memory: 1.7-2.5x faster than torch's on an AMD "
             "EPYC, results within fp32 rounding of torch's; benchmarks/onednn_matmul.py "
             "measures your CPU)",
             "choices": ("torch", "onednn"),

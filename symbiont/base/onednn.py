@@ -3,17 +3,18 @@
 `F.linear` and `mm` on a CPU call MKL's sgemm. On the AMD EPYC (AVX-512) machines these
 benchmarks ran on, sgemm reached about 100 GFLOP/s on one core for the products of a
 fine-tuning step (64-256 rows), while oneDNN's linear on the very same weights, with no
-copy and no repacking, reached 200-230 GFLOP/s (`python benchmarks/onednn_matmul.py`):
-MKL picks slower code paths on CPUs it does not tune for, oneDNN compiles its kernels for
-the CPU it finds. Forward calls (`x Wᵀ + b`) and backward calls (`grad_y W`, oneDNN's
-linear on the weight's transposed view) of ONEDNN_MIN_ROWS rows or more run there (fewer
-stay torch's, which was as fast or faster at one row), so unlike packed weights
-(`symbiont/base/prepack.py`) this serves fine-tuning, and costs no memory.
+copy and no repacking, reached 150-240 GFLOP/s, 1.7-2.5x MKL's (`python
+benchmarks/onednn_matmul.py`). Probably MKL takes a generic code path on a CPU it does
+not tune for, while oneDNN generates its kernels for the CPU it finds. Forward calls
+(`x Wᵀ + b`) and backward calls (`grad_y W`, oneDNN's linear on the weight's transposed
+view) of ONEDNN_MIN_ROWS rows or more run there; fewer stay torch's (at one row oneDNN
+was 0.34-1.5x torch's). Unlike packed weights (`symbiont/base/prepack.py`) this serves
+fine-tuning, and it costs no memory.
 
 Results agree with torch's within fp32 rounding (another summation order), not bit for
 bit, so a job through such an executor computes what a vanilla job computes within that
 rounding, not exactly; `--matmul torch` (the default) keeps every product bitwise the
-vanilla one. Where MKL is tuned for the CPU the two are about as fast: measure
+vanilla one. Where MKL is tuned for the CPU the two may be about as fast: measure
 (`benchmarks/onednn_matmul.py` prints the ratio) before choosing.
 """
 
