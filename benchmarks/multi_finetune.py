@@ -833,8 +833,9 @@ def main(argv=None) -> int:
         "--executor-matmul",
         choices=("torch", "onednn"),
         default="torch",
-        help="serve-base --matmul: torch (default; MKL on a CPU, what the vanilla jobs use) or "
-        "onednn (symbiont/base/onednn.py)",
+        help="serve-base --matmul, for the symbiont arm (the in-process arms compute on "
+        "torch): torch (default; MKL on a CPU, what the vanilla jobs use) or onednn "
+        "(symbiont/base/onednn.py; CPU only)",
     )
     parser.add_argument(
         "--executor-workers",
@@ -907,8 +908,8 @@ def main(argv=None) -> int:
         return 0
     print(f"model {args.model} ({_params(models[0]) / 1e6:.0f}M parameters, fp32); LoRA r="
           f"{args.rank} on {args.targets}; batch {args.batch} x seq {args.seq}, {args.steps} "
-          f"measured steps per job; {os.cpu_count()} cores{_device_note(args)}",
-          flush=True)  # fmt: skip
+          f"measured steps per job; {os.cpu_count()} cores{_device_note(args)}; serve-base "
+          f"--matmul {args.executor_matmul}", flush=True)  # fmt: skip
     rows = []
     for n in (int(x) for x in args.jobs.split(",")):
         row = {arm: run_one(arm, n, models, work, args) for arm in ARMS if arm in arms}
@@ -935,6 +936,8 @@ def _device_problem(args) -> str | None:
         return f"--device {args.device}: this benchmark runs on cpu or cuda"
     if device.type == "cpu":
         return None
+    if args.executor_matmul == "onednn":
+        return "--executor-matmul onednn computes on the CPU only; leave it out with --device"
     if args.fusion_ab:
         return "--fusion-ab runs on the CPU only; leave out --device"
     if not torch.cuda.is_available():

@@ -34,15 +34,11 @@ SHAPES = (  # (in, out)
 )  # fmt: skip
 
 
-def best_us(fn, reps: int, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
+def mean_us(fn, reps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e6
 
 
 def cpu_name() -> str:
@@ -92,8 +88,10 @@ def main(argv=None) -> int:
             ):
                 want, got = torch_fn(), onednn_fn()
                 diff = float((got - want).abs().max() / want.abs().max())
-                t_us = best_us(torch_fn, reps, args.rounds)
-                o_us = best_us(onednn_fn, reps, args.rounds)
+                t_us = o_us = float("inf")
+                for _ in range(args.rounds):  # in turn, so a changing load hits both alike
+                    t_us = min(t_us, mean_us(torch_fn, reps))
+                    o_us = min(o_us, mean_us(onednn_fn, reps))
                 ratios.append(t_us / o_us)
                 print(
                     f"| {call} | {n_in} | {n_out} | {rows} | {t_us:.1f} | {o_us:.1f} | "

@@ -10,6 +10,7 @@ import torch
 
 import symbiont
 from symbiont import BaseExecutor
+from symbiont.base import onednn as onednn_module
 from symbiont.base.config import BaseProcessConfig
 from symbiont.base.onednn import ONEDNN_MIN_ROWS, OneDnnExecutor, can_use_onednn
 from symbiont.model.layers import LayerKind
@@ -25,9 +26,18 @@ ATOL, RTOL = 1e-5, 1e-5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # qwen2: biases; gpt2: CONV1D
-def test_every_product_within_fp32_rounding_of_torch(checkpoints, arch):
+def test_every_product_within_fp32_rounding_of_torch(checkpoints, arch, monkeypatch):
     plain = BaseExecutor.from_pretrained(checkpoints(arch))
     onednn = OneDnnExecutor(BaseExecutor.from_pretrained(checkpoints(arch)))
+    assert (plain.products, onednn.products) == ("torch", "onednn")
+    calls = []
+    real = onednn_module.onednn_linear
+
+    def counting(x, weight, bias):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(onednn_module, "onednn_linear", counting)
     kinds = {s.kind for s in plain.manifest.layers}
     assert LayerKind.CONV1D in kinds if arch == "gpt2" else LayerKind.LINEAR in kinds
     g = torch.Generator().manual_seed(0)
@@ -47,15 +57,18 @@ def test_every_product_within_fp32_rounding_of_torch(checkpoints, arch):
         ):
             assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
     assert onednn.weight_bytes() == plain.weight_bytes()  # the same tensors, no copy
+    assert calls and min(calls) >= ONEDNN_MIN_ROWS, "oneDNN computed nothing, or too few rows"
 
 
 def test_refused_where_onednn_does_not_compute(checkpoints, tmp_path):
     base = BaseExecutor.from_pretrained(checkpoints("llama"), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"not bfloat16 on cpu; use --matmul torch"):
         OneDnnExecutor(base)
-    with pytest.raises(ValueError, match=r"--matmul onednn computes float32 on the CPU"):
-        BaseProcessConfig(model=str(tmp_path), matmul="onednn", dtype="bfloat16")
-    assert BaseProcessConfig(model=str(tmp_path), matmul="onednn").matmul == "onednn"
+    for dtype in ("bfloat16", "fp32"):  # fp32: no torch dtype of that name, load refuses it
+        with pytest.raises(ValueError, match=r"--matmul onednn computes float32 on the CPU"):
+            BaseProcessConfig(model=str(tmp_path), matmul="onednn", dtype=dtype)
+    for dtype in (None, "float32", "float"):
+        assert BaseProcessConfig(model=str(tmp_path), matmul="onednn", dtype=dtype).matmul
 
 
 @pytest.fixture(scope="module")

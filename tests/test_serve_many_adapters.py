@@ -171,7 +171,7 @@ def test_a_base_only_step_takes_the_short_path_with_the_same_batch():
     layer, registry, _ = _layer_with_slots((4, 16), 16, 12, max_rank=16)
     registry.slot_is_ia3[2] = registry.slot_is_dora[1] = True  # loaded, not used
     zeros = torch.zeros(7, dtype=torch.long)
-    short, full = adapter_batch(zeros, registry, False), adapter_batch(zeros, registry)
+    short, full = adapter_batch(zeros, registry, any_adapter=False), adapter_batch(zeros, registry)
     assert (short.lora, short.has_ia3, short.has_dora, short.lora_rows) == ((), False, False, None)
     assert (full.lora, full.has_ia3, full.has_dora, full.lora_rows) == ((), False, False, None)
     assert torch.equal(short.token_slots, zeros)

@@ -250,9 +250,7 @@ class BaseProcessConfig:
         from symbiont.util.device import check_device
 
         check_device(self.device)
-        if self.matmul == "onednn" and (
-            self.device != "cpu" or self.dtype not in (None, "float32", "fp32")
-        ):
+        if self.matmul == "onednn" and (self.device != "cpu" or not _is_fp32(self.dtype)):
             raise ValueError(
                 f"--matmul onednn computes float32 on the CPU, not "
                 f"{self.dtype or 'the checkpoint dtype'} on {self.device}; use --matmul torch"
@@ -265,3 +263,10 @@ class BaseProcessConfig:
     @property
     def num_threads(self) -> int | None:
         return self.threads or (len(self.cpus) if self.cpus else None)
+
+
+def _is_fp32(dtype: str | None) -> bool:
+    """Whether --dtype names float32 (None: the checkpoint's, checked once it is loaded)."""
+    import torch
+
+    return dtype is None or getattr(torch, dtype, None) is torch.float32

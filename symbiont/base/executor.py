@@ -191,6 +191,7 @@ class BaseExecutor(Executor):
         return self._run_on_device(op, layer, x)
 
     fuses_calls = True  # forward_fused is one matmul over layers stored back to back
+    products = "torch"  # what computes the products (serve-base --matmul)
 
     def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """FORWARD of every layer of `layers` on the same x [n_tokens, in] in one call:

@@ -47,7 +47,7 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
         model,
         len(executor.manifest.layers),
         executor.manifest.dtype,
-        process.matmul,
+        executor.products,
         executor.manifest.fingerprint,
         ", ".join(endpoints),
         config.policy.kind,

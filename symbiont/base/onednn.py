@@ -43,13 +43,18 @@ def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """x Wᵀ + b by oneDNN. x [n, in], weight [out, in] (any strides) -> [n, out]"""
+    if bias is not None:
+        bias = bias.contiguous()  # oneDNN reads a strided bias as if it were contiguous
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 class OneDnnExecutor(BaseExecutor):
     """A `BaseExecutor` whose linear products (forward and backward) run on oneDNN.
 
-    Takes over `base`'s tensors as they are: no copy, no new layout."""
+    Takes over `base`'s tensors as they are: no copy, no new layout. Experts stacks (MoE)
+    still run the model's own expert modules, on torch."""
+
+    products = "onednn"
 
     def __init__(self, base: BaseExecutor):
         if not can_use_onednn(base.device, base.manifest.dtype):

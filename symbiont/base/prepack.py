@@ -14,8 +14,9 @@ layers at one row (0.2-0.7x for 4K-260K weights; `python benchmarks/prepack.py`)
   The plain product's time grows with the rows from the first, the packed one's hardly up
   to 4 rows, so the bigger the product the sooner packed wins: on an AMD EPYC with
   AVX-512, 352K weights took 27 against 38 µs at 2 rows, 65K weights 12.6 against 7.0 µs.
-  Decode steps of a 4M-parameter model with 2-6 sequences ran 1.16-1.28x faster than with
-  packed copies from 8 rows for every size (BENCHMARKS.md, issue 17, session 13);
+  The engine generated 1.14-1.17x as many tokens per second on a 4M-parameter model with
+  2-4 sequences as with packed copies from 8 rows for every size (BENCHMARKS.md, issue 17,
+  session 13);
 - layers that clients call as one fused call (q/k/v, gate/up: `FUSED_SIBLINGS`) are packed
   together, one oneDNN product per fused call, as the plain executor runs one matmul over
   their block (decode steps of a 97.5M model 6% faster than one packed product per layer).

@@ -575,8 +575,9 @@ class ServedAdapterBatch(AdapterBatch):
 def adapter_batch(
     token_slots: torch.Tensor,
     registry: AdapterRegistry,
-    any_adapter: bool = True,
     dense_min: int = DENSE_MIN_TOKENS,
+    *,
+    any_adapter: bool = True,
 ) -> ServedAdapterBatch:
     """Per-iteration adapter metadata, reused by every layer: LoRA tokens of adapters with
     at least `dense_min` tokens sorted into rank buckets and slot groups, the others as

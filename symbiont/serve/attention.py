@@ -17,8 +17,8 @@ group built once for the step. Where the context comes from:
 - other decoding sequences and continued chunks (scattered blocks of a fragmented pool):
   gathered from the pool a whole KV block at a time (one `index_select`);
 - a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
-A long chunk (CHUNK_BLOCKS_MIN tokens or more) attends in blocks of queries, each over
-the keys up to its last query, under the group's mask.
+On a CPU, a long chunk (CHUNK_BLOCKS_MIN tokens or more) attends in blocks of queries,
+each over the keys up to its last query, under the group's mask.
 Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
 the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
 once, not once per query head; chunks use SDPA's `enable_gqa`. Logit soft-capping
@@ -35,8 +35,9 @@ from transformers import AttentionInterface
 from symbiont.serve.context import AttnGroup, PoolRows, current_context
 
 ATTN_IMPLEMENTATION = "symbiont_paged"
-# A prefill chunk this long attends CHUNK_BLOCK queries at a time (`_chunk_in_blocks`):
-# first chunks ran 1.05-1.55x faster so from 192 to 1024 tokens on one core, 0.96x at 128
+# A prefill chunk this long attends CHUNK_BLOCK queries at a time (`_chunk_in_blocks`), on
+# a CPU: first chunks ran 1.05-1.55x faster so from 192 to 1024 tokens on one core, about
+# even at 128 (0.96-1.09x). GPU kernels were not measured, so they keep one call.
 CHUNK_BLOCKS_MIN = 192
 CHUNK_BLOCK = 64
 
@@ -115,8 +116,9 @@ def _group_attention(
         kg, vg = _gather(k_pool, group, block), _gather(v_pool, group, block)
     if softcap is not None:
         out = _eager(qg, kg, vg, group.mask(window, qg.dtype), scale, softcap)
-    elif n == 1 and m >= CHUNK_BLOCKS_MIN:  # one long prefill chunk
-        out = _chunk_in_blocks(qg, kg, vg, group.mask(window, qg.dtype), group.start, scale)
+    elif n == 1 and m >= CHUNK_BLOCKS_MIN and q.device.type == "cpu":  # one long chunk
+        start = group.start if group.start is not None else int(group.q_pos[0, 0])
+        out = _chunk_in_blocks(qg, kg, vg, group.mask(window, qg.dtype), start, scale)
     elif own_keys and window is None:  # causal over its own keys: no mask needed
         out = F.scaled_dot_product_attention(
             qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True

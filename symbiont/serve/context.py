@@ -54,7 +54,8 @@ class AttnGroup:
     q_pos: torch.Tensor  # [n_seqs, n_queries] absolute position of each query
     kv_len: torch.Tensor  # [n_seqs] context length after this iteration's tokens
     rows: PoolRows | None = None  # set: read in place; q_pos, kv_len are [n_rows, ...]
-    start: int = 0  # position of the first query, when the group is one sequence
+    start: int | None = None  # position of the first query of a one-sequence group
+    # (None: read from q_pos)
     masks: dict = field(default_factory=dict)  # (window, dtype) -> mask, built once per step
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:

@@ -127,7 +127,9 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             attn_groups=groups,
-            adapters=adapter_batch(self._tensor(token_slots), self.adapters, any(token_slots)),
+            adapters=adapter_batch(
+                self._tensor(token_slots), self.adapters, any_adapter=any(token_slots)
+            ),
             keep_rows=keep,
         )
         n = len(sample_rows)
@@ -240,7 +242,7 @@ class ModelRunner:
             q_pos=q_pos.to(self.device),
             kv_len=kv_len.to(self.device),
             rows=rows,
-            start=starts[0] if len(items) == 1 else 0,
+            start=starts[0] if len(items) == 1 else None,
         )
 
     def _block_table(self, items: list[ScheduledSeq], max_kv: int) -> tuple[torch.Tensor, int]:
