@@ -115,3 +115,20 @@ def test_the_flag_reaches_serve_base_help():
         check=True,
     ).stdout
     assert "--matmul {torch,onednn}" in out
+
+
+def test_strided_inputs_weights_and_biases_give_torch_results():
+    """oneDNN reads a strided bias as if it were contiguous: it is made contiguous first.
+    Strided inputs and weight views (a block's rows, a transposed view) are read as such."""
+    from symbiont.base.onednn import onednn_linear
+
+    g = torch.Generator().manual_seed(5)
+    block = torch.randn(40, 24, generator=g)
+    weight = block[8:24]  # [16, 24], a view at an offset
+    bias = torch.randn(32, generator=g)[::2]  # [16], stride 2
+    x = torch.randn(24, 10, generator=g).t()  # [10, 24], not contiguous
+    want = torch.nn.functional.linear(x, weight, bias)
+    assert torch.allclose(onednn_linear(x, weight, bias), want, atol=ATOL, rtol=RTOL)
+    grad_y = torch.randn(10, 16, generator=g)
+    want = grad_y @ weight
+    assert torch.allclose(onednn_linear(grad_y, weight.t(), None), want, atol=ATOL, rtol=RTOL)
