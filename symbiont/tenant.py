@@ -26,6 +26,7 @@ def open_executor(
     mask_activations: str | bool | None = None,
     prepack: bool = False,
     tokens: Sequence[str] | None = None,
+    matmul: str = "torch",
 ) -> Executor:
     """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
     `model_dir` at connect time), or an in-process BaseExecutor when `url` is None; with
@@ -35,7 +36,8 @@ def open_executor(
     mask_activations 'pool' wraps it so every call is masked; 'shares' takes two URLs
     (`serve-base`s of parties that do not collude) and splits every call between them
     (docs/privacy.md). `tokens`: each URL's serve-base --token, in order (default:
-    $SYMBIONT_TOKEN for every one)."""
+    $SYMBIONT_TOKEN for every one). `matmul` 'onednn': an in-process executor computes its
+    products on oneDNN (symbiont/base/onednn.py); a serve-base's are set where it runs."""
     from symbiont.client.masking import MaskMode, mask_config, mask_executors
 
     urls = (url,) if url is None or isinstance(url, str) else tuple(url)
@@ -59,12 +61,22 @@ def open_executor(
             "in the same order"
         )
     tokens = tuple(tokens) if tokens else (None,) * len(urls)
+    if matmul not in ("torch", "onednn"):
+        raise ValueError(f"--matmul {matmul!r}: use torch or onednn")
+    if matmul != "torch" and urls != (None,):
+        raise ValueError(
+            f"--matmul {matmul} sets how an executor in this process computes; a serve-base "
+            f"computes as it was started: symbiont serve-base --matmul {matmul}"
+        )
     executors = []
     try:
         for one, token in zip(urls, tokens, strict=True):
             executors.append(
-                _open_one(model_dir, one, device=device, dtype=dtype, prepack=prepack, token=token)
-            )
+                _open_one(
+                    model_dir, one, device=device, dtype=dtype, prepack=prepack, token=token,
+                    matmul=matmul,
+                )
+            )  # fmt: skip
     except BaseException:
         for executor in executors:
             executor.close()
@@ -77,12 +89,18 @@ def open_executor(
         raise
 
 
-def _open_one(model_dir, url: str | None, *, device, dtype, prepack=False, token=None) -> Executor:
+def _open_one(
+    model_dir, url: str | None, *, device, dtype, prepack=False, token=None, matmul="torch"
+) -> Executor:
     if url is None:
         from symbiont.base.executor import BaseExecutor
         from symbiont.base.prepack import PrepackedExecutor, can_prepack
 
         executor = BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
+        if matmul == "onednn":
+            from symbiont.base.onednn import OneDnnExecutor
+
+            return OneDnnExecutor(executor)
         if prepack and can_prepack(executor.device, executor.manifest.dtype):
             return PrepackedExecutor(executor)
         return executor

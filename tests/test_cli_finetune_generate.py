@@ -171,3 +171,37 @@ def test_remote_executor(model_dir, data, tmp_path, capsys):
         remote = capsys.readouterr().out
         assert main(gen) == 0
         assert remote == capsys.readouterr().out, "remote and in-process executors disagree"
+
+
+def test_finetune_computes_on_onednn_in_process_when_asked(
+    model_dir, data, tmp_path, capsys, monkeypatch
+):
+    """`--matmul onednn` without --executor: the in-process executor's products run on
+    oneDNN (the default model's layers are small, so its threshold is lowered here) and
+    the losses are torch's within fp32 rounding; with --executor it is refused, naming
+    serve-base's flag."""
+    from symbiont.base import onednn
+
+    calls = []
+    real = onednn.onednn_linear
+
+    def counting(x, weight, bias):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    losses = {}
+    for matmul in ("torch", "onednn"):
+        out = tmp_path / matmul
+        args = finetune_args(model_dir, data, out, "--max-steps", "3", "--matmul", matmul)
+        if matmul == "onednn":
+            monkeypatch.setattr(onednn, "ONEDNN_MIN_MACS", 0)
+            monkeypatch.setattr(onednn, "onednn_linear", counting)
+        assert main(args) == 0
+        records = (out / "metrics.jsonl").read_text().splitlines()
+        losses[matmul] = [json.loads(line)["loss"] for line in records]
+    assert calls, "oneDNN computed nothing"
+    assert losses["onednn"] == pytest.approx(losses["torch"], rel=1e-4)
+    capsys.readouterr()
+    refused = finetune_args(model_dir, data, tmp_path / "x", "--matmul", "onednn")
+    assert main([*refused, "--executor", "tcp://127.0.0.1:9"]) == 1
+    assert "symbiont serve-base --matmul onednn" in capsys.readouterr().err

@@ -7,8 +7,9 @@ copy and no repacking, reached 150-240 GFLOP/s, 1.7-2.5x MKL's (`python
 benchmarks/onednn_matmul.py`). Probably MKL takes a generic code path on a CPU it does
 not tune for, while oneDNN generates its kernels for the CPU it finds. Forward calls
 (`x Wᵀ + b`) and backward calls (`grad_y W`, oneDNN's linear on the weight's transposed
-view) of ONEDNN_MIN_ROWS rows or more run there; fewer stay torch's (at one row oneDNN
-was 0.34-1.5x torch's). Unlike packed weights (`symbiont/base/prepack.py`) this serves
+view) of ONEDNN_MIN_ROWS rows and ONEDNN_MIN_MACS multiply-adds or more run there; smaller
+ones stay torch's (at one row oneDNN was 0.34-1.5x torch's, and small layers lose to its
+fixed costs). Unlike packed weights (`symbiont/base/prepack.py`) this serves
 fine-tuning, and it costs no memory.
 
 Results agree with torch's within fp32 rounding (another summation order), not bit for
@@ -30,6 +31,11 @@ MATMULS = ("torch", "onednn")
 # Calls of fewer rows stay torch's: at one row oneDNN was 0.34-1.5x torch's (a backward on
 # the transposed view the slowest), from 8 rows 1.05-3.1x (benchmarks/onednn_matmul.py)
 ONEDNN_MIN_ROWS = 8
+# ...and products of fewer multiply-adds (rows x weights) stay torch's too: for small layers
+# oneDNN's fixed cost per call, and about 0.3 ms to build its kernel for each new shape
+# (fine-tuning batches change length), outweigh its gain (128x128 weights: 0.5x at 16
+# rows, 1.1x at 64, 1.75x at 256; 768x768: 1.7x at 16)
+ONEDNN_MIN_MACS = 1 << 21
 
 
 def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -66,9 +72,9 @@ class OneDnnExecutor(BaseExecutor):
         super().__init__(base.manifest, base._weights, base.device, base._experts, base._blocks)
 
     def run(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < ONEDNN_MIN_ROWS:
-            return super().run(op, layer, x)
         w = self._weights[layer]
+        if not _pays(x.shape[0], w.weight.numel()):
+            return super().run(op, layer, x)
         if op is Op.FORWARD:  # LINEAR: x Wᵀ + b; CONV1D (weight [in, out]): x W + b
             weight = w.weight if w.kind is LayerKind.LINEAR else w.weight.t()
             return onednn_linear(x, weight, w.bias)
@@ -78,7 +84,12 @@ class OneDnnExecutor(BaseExecutor):
 
     def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         run = self._runs.get(layers)
-        if run is None or x.shape[0] < ONEDNN_MIN_ROWS:
+        if run is None or not _pays(x.shape[0], run.weight.numel()):
             return super().run_fused(layers, x)
         y = onednn_linear(x, run.weight, run.bias)  # [n_tokens, sum_out]
         return y.split_with_sizes(run.widths, dim=1)  # views, one per layer
+
+
+def _pays(rows: int, weights: int) -> bool:
+    """Whether oneDNN computes a call of `rows` rows on a layer of `weights` weights."""
+    return rows >= ONEDNN_MIN_ROWS and rows * weights >= ONEDNN_MIN_MACS
