@@ -37,6 +37,11 @@ and for gate/up).
 engine's lean forward (symbiont/serve/lean.py), taken in turn:
 
     python benchmarks/profile_decode.py --model default --batch 16 --steps 10 --lean-ab 10
+
+`--kernel-ab ROUNDS` likewise times decode steps with PyTorch's SDPA and with symbiont's
+decode attention kernel (symbiont/serve/decode_kernel.py):
+
+    python benchmarks/profile_decode.py --model default --batch 16 --prompt-len 512 --kernel-ab 6
 """
 
 from __future__ import annotations
@@ -315,39 +320,65 @@ def fusion_ab(args, engine) -> list[tuple[str, float, float]]:
     return [(name, step_s[name] * 1000 / n, forward_s[name] * 1000 / n) for name, *_ in FUSION_ARMS]
 
 
-def lean_ab(args, engine) -> list[tuple[str, float]]:
-    """(arm, ms per decode step) of transformers' forward and the lean one
-    (symbiont/serve/lean.py), taken in turn (order alternating per round) for
-    `args.lean_ab` rounds of `args.steps` steps each."""
-    lean = engine.runner.lean
-    if lean is None:
-        raise SystemExit(f"{args.model}: no lean forward for this architecture")
+def alternate(args, engine, rounds: int, arms) -> list[tuple[str, float]]:
+    """(arm, ms per decode step) of each (name, apply) arm, `apply()` switching the
+    engine to it, taken in turn (order alternating per round) for `rounds` rounds of
+    `args.steps` decode steps each, after every prompt is prefilled."""
     _, reqs = requests(args, engine.runner.vocab_size)
     for request in reqs:
         engine.add_request(request)
     while any(seq.num_computed < seq.prompt_len for r in reqs for seq in r.sequences):
         engine.step()
-    arms = (("transformers forward", None), ("lean forward", lean))
     step_s = defaultdict(float)
-    for round_ in range(args.lean_ab):
-        for name, forward in arms if round_ % 2 == 0 else arms[::-1]:
-            engine.runner.lean = forward
+    for round_ in range(rounds):
+        for name, apply in arms if round_ % 2 == 0 else arms[::-1]:
+            apply()
             engine.step()  # warm
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             step_s[name] += time.perf_counter() - start
-    engine.runner.lean = lean
-    return [(name, step_s[name] * 1000 / (args.lean_ab * args.steps)) for name, _ in arms]
+    return [(name, step_s[name] * 1000 / (rounds * args.steps)) for name, _ in arms]
 
 
-def print_lean_ab(args, model: str, engine) -> int:
-    rows = lean_ab(args, engine)
+def lean_ab(args, engine) -> list[tuple[str, float]]:
+    """Transformers' forward against the lean one (symbiont/serve/lean.py)."""
+    runner, lean = engine.runner, engine.runner.lean
+    if lean is None:
+        raise SystemExit(f"{args.model}: no lean forward for this architecture")
+    arms = (
+        ("transformers forward", lambda: setattr(runner, "lean", None)),
+        ("lean forward", lambda: setattr(runner, "lean", lean)),
+    )
+    try:
+        return alternate(args, engine, args.lean_ab, arms)
+    finally:
+        runner.lean = lean
+
+
+def kernel_ab(args, engine) -> list[tuple[str, float]]:
+    """PyTorch's SDPA against symbiont's decode kernel (symbiont/serve/decode_kernel.py)."""
+    runner, kernel = engine.runner, engine.runner.decode_kernel
+    if kernel is None:
+        from symbiont.serve import decode_kernel
+
+        raise SystemExit(f"no decode kernel here: {decode_kernel.unavailable_reason()}")
+    arms = (
+        ("SDPA", lambda: setattr(runner, "decode_kernel", None)),
+        ("decode kernel", lambda: setattr(runner, "decode_kernel", kernel)),
+    )
+    try:
+        return alternate(args, engine, args.kernel_ab, arms)
+    finally:
+        runner.decode_kernel = kernel
+
+
+def print_ab(args, model: str, engine, rows, what: str, rounds: int) -> int:
     print(
         f"model {model}: {args.batch} sequences decoding, prompts {args.prompt_len} tokens, "
-        f"{args.threads} thread(s), {args.lean_ab} rounds of {args.steps} steps per setting\n"
+        f"{args.threads} thread(s), {rounds} rounds of {args.steps} steps per setting\n"
     )
-    print("| forward | ms/step | transformers / this |\n|---|---:|---:|")
+    print(f"| {what} | ms/step | {rows[0][0]} / this |\n|---|---:|---:|")
     for name, step in rows:
         print(f"| {name} | {step:.2f} | {rows[0][1] / step:.3f}x |")
     with contextlib.suppress(Exception):
@@ -393,12 +424,19 @@ def main(argv=None) -> int:
         metavar="ROUNDS",
         help="instead: time decode steps with transformers' forward and the lean one",
     )
+    p.add_argument(
+        "--kernel-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: time decode steps with PyTorch's SDPA and symbiont's decode kernel",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
     if args.fusion_ab:
         args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
-    if args.lean_ab:
-        args.max_tokens = (args.steps + 1) * args.lean_ab * 2 + 8
+    if args.lean_ab or args.kernel_ab:
+        args.max_tokens = (args.steps + 1) * (args.lean_ab + args.kernel_ab) * 2 + 8
     torch.set_num_threads(args.threads)
 
     import symbiont
@@ -416,7 +454,10 @@ def main(argv=None) -> int:
     if args.fusion_ab:
         return print_fusion_ab(args, model, engine)
     if args.lean_ab:
-        return print_lean_ab(args, model, engine)
+        return print_ab(args, model, engine, lean_ab(args, engine), "forward", args.lean_ab)
+    if args.kernel_ab:
+        rows = kernel_ab(args, engine)
+        return print_ab(args, model, engine, rows, "decode attention", args.kernel_ab)
     phases, sequences, _ = engine_phases(args, engine)
     split = forward_split(args, engine)
     outside, inside, http_steps = http_cost(args, model)

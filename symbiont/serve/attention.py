@@ -21,7 +21,9 @@ On a CPU, a long chunk (CHUNK_BLOCKS_MIN tokens or more) attends in blocks of qu
 each over the keys up to its last query, under the group's mask.
 Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
 the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
-once, not once per query head; chunks use SDPA's `enable_gqa`. Logit soft-capping
+once, not once per query head; chunks use SDPA's `enable_gqa`. On a CPU in float32,
+decoding sequences run through a kernel of our own (`decode_kernel.py`, the step
+context's `decode_kernel`) instead of SDPA. Logit soft-capping
 (Gemma 2), which SDPA cannot express, takes the eager path: scores in the query dtype,
 softmax in float32, as transformers' eager attention.
 """
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from symbiont.serve.context import AttnGroup, PoolRows, current_context
+from symbiont.serve.decode_kernel import DecodeKernel
 
 ATTN_IMPLEMENTATION = "symbiont_paged"
 # A prefill chunk this long attends CHUNK_BLOCK queries at a time (`_chunk_in_blocks`), on
@@ -70,15 +73,16 @@ def paged_attention(
     q, k, v = query[0], key[0], value[0]  # [heads | kv_heads, n_tokens, hd]
     block = ctx.kv_cache.block_size
     groups = ctx.attn_groups
+    kernel = ctx.decode_kernel
     if len(groups) == 1 and groups[0].span == (0, q.shape[1]):  # the whole batch, in order
         rows = _group_attention(
-            groups[0], q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap
+            groups[0], q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap, kernel
         )
         return rows[None], None  # [1, n_tokens, heads, hd], no attention weights
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [n_tokens, heads, hd]
     for group in groups:
         rows = _group_attention(
-            group, q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap
+            group, q, k, v, k_pool, v_pool, block, scale, sliding_window, softcap, kernel
         )
         if group.span is not None:
             out[group.span[0] : group.span[1]] = rows
@@ -98,12 +102,15 @@ def _group_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """-> [n_seqs * n_queries, heads, hd]: the group's attention output, in its token order."""
     heads, hd = q.shape[0], q.shape[2]
     n, m = group.n_seqs, group.n_queries
     if group.rows is not None and m == 1:
-        return _pool_rows_attention(group, group.rows, q, k_pool, v_pool, scale, window, softcap)
+        return _pool_rows_attention(
+            group, group.rows, q, k_pool, v_pool, scale, window, softcap, kernel
+        )
     qg = _rows(q, group).view(heads, n, m, hd).transpose(0, 1)  # [n, heads, m, hd]
     own_keys = group.blocks is None and group.rows is None
     if group.rows is not None:  # a continued chunk on a run: its context, in place
@@ -125,9 +132,7 @@ def _group_attention(
         )
     elif m == 1:  # decoding: query heads sharing a KV head stacked on the query axis
         folded = qg.reshape(n, kg.shape[1], -1, hd)  # [n, kv_heads, heads / kv_heads, hd]
-        out = F.scaled_dot_product_attention(
-            folded, kg, vg, attn_mask=group.mask(window, qg.dtype), scale=scale
-        )
+        out = _decode(folded, kg, vg, group.mask(window, qg.dtype), scale, kernel)
         return out.reshape(n, heads, hd)
     else:
         mask = group.mask(window, qg.dtype)
@@ -135,6 +140,21 @@ def _group_attention(
             qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).reshape(n * m, heads, hd)  # [n, m, heads, hd] flattened
+
+
+def _decode(
+    q: torch.Tensor,  # [n, kv_heads, heads / kv_heads, hd]: one query per sequence
+    k: torch.Tensor,  # [n, kv_heads, kv_width, hd]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [n, 1, 1, kv_width] additive
+    scale: float,
+    kernel: DecodeKernel | None,
+) -> torch.Tensor:
+    """Decoding sequences' attention -> [n, kv_heads, heads / kv_heads, hd]: our CPU
+    kernel where it applies (decode_kernel.py), else SDPA."""
+    if kernel is not None and kernel.applies(q, k, mask):
+        return kernel(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _chunk_in_blocks(
@@ -174,6 +194,7 @@ def _pool_rows_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Decoding sequences read in place from the pool -> [n_seqs, heads, hd]."""
     heads, hd = q.shape[0], q.shape[2]
@@ -188,7 +209,7 @@ def _pool_rows_attention(
         out = _eager(qr[:, :, None], kr, vr, mask, scale, softcap)  # [n_rows, heads, 1, hd]
     else:
         folded = qr.reshape(rows.n_rows, kv_heads, heads // kv_heads, hd)
-        out = F.scaled_dot_product_attention(folded, kr, vr, attn_mask=mask, scale=scale)
+        out = _decode(folded, kr, vr, mask, scale, kernel)
     out = out.reshape(rows.n_rows, heads, hd)
     return out if rows.in_order else out.index_select(0, rows.index)
 

@@ -150,6 +150,17 @@ class EngineConfig:
             "step; symbiont/serve/lean.py)",
         },
     )
+    decode_kernel: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-decode-kernel",
+            "help": "decode attention through PyTorch's SDPA; by default, in float32 on a "
+            "CPU, decoding sequences attend through symbiont's own kernel (1.3-2x faster "
+            "per layer), compiled once with the machine's C++ compiler (g++ >= 12 or "
+            "clang) and cached under $SYMBIONT_HOME/kernels; without a compiler, SDPA "
+            "(symbiont/serve/decode_kernel.py)",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (

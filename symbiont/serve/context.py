@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from symbiont.serve.decode_kernel import DecodeKernel
 from symbiont.serve.kv_cache import PagedKVCache
 
 
@@ -108,6 +109,7 @@ class StepContext:
     attn_groups: tuple[AttnGroup, ...]
     adapters: AdapterBatch
     keep_rows: torch.Tensor | None = None  # [n_keep] flat rows the output layer sees
+    decode_kernel: DecodeKernel | None = None  # decoding attention on a CPU, else SDPA
 
 
 _local = threading.local()

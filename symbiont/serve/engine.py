@@ -77,7 +77,11 @@ class Engine:
         self.kv_cache = PagedKVCache(self.config.num_blocks, self.config.block_size, device)
         self.adapters = AdapterRegistry(model, self.config)
         self.runner = ModelRunner(
-            model, self.kv_cache, self.adapters, lean=self.config.lean_forward
+            model,
+            self.kv_cache,
+            self.adapters,
+            lean=self.config.lean_forward,
+            decode_kernel=self.config.decode_kernel,
         )
         self.scheduler = make_scheduler(
             self.config, self.kv_cache, self.max_model_len, self.adapters.virtual_tokens

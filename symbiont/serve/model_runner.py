@@ -11,14 +11,17 @@ on the host and moved once per iteration; nothing here waits on the device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from symbiont.serve import decode_kernel
 from symbiont.serve.adapters import AdapterRegistry, adapter_batch
 from symbiont.serve.attention import register_attention
 from symbiont.serve.context import AttnGroup, PoolRows, StepContext, use_context
+from symbiont.serve.decode_kernel import DecodeKernel
 from symbiont.serve.kv_cache import PagedKVCache
 from symbiont.serve.lean import LeanForward
 from symbiont.serve.scheduler import ScheduledSeq
@@ -28,6 +31,8 @@ from symbiont.serve.scheduler import ScheduledSeq
 # gathering at 256+ tokens of context and loses 1.2-1.5x below 128 (at 1 it wins 1.2-1.9x
 # below 256 and 2-4x above; benchmarks/decode_attention.py, BENCHMARKS.md issue 17).
 MAX_ROWS_PER_SEQ = 1.5
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,19 @@ class StepLogits:
     prompt: tuple[tuple[ScheduledSeq, torch.Tensor], ...]  # chunk -> [len(prompt_rows), vocab]
 
 
+def _decode_kernel(device: torch.device) -> DecodeKernel | None:
+    """Our decode attention kernel on a CPU (built on first use), else None: SDPA."""
+    if device.type != "cpu":
+        return None
+    kernel = decode_kernel.load()
+    if kernel is None:
+        log.info(
+            "decode attention: PyTorch's SDPA, as symbiont's CPU kernel could not be built (%s)",
+            decode_kernel.unavailable_reason(),
+        )
+    return kernel
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -59,6 +77,7 @@ class ModelRunner:
         adapters: AdapterRegistry,
         *,
         lean: bool = True,
+        decode_kernel: bool = True,
     ):
         self.model = model.eval()
         self.model.set_attn_implementation(register_attention())
@@ -68,6 +87,7 @@ class ModelRunner:
         self.adapters = adapters
         self.device = model.get_input_embeddings().weight.device
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.decode_kernel = _decode_kernel(self.device) if decode_kernel else None
 
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """-> the logits of the sampling rows and of the prompt-scoring rows."""
@@ -131,6 +151,7 @@ class ModelRunner:
                 self._tensor(token_slots), self.adapters, any_adapter=any(token_slots)
             ),
             keep_rows=keep,
+            decode_kernel=self.decode_kernel,
         )
         n = len(sample_rows)
         spans = tuple((item, n + a, n + b) for item, a, b in spans)

@@ -1,0 +1,208 @@
+"""Decode attention of our own on a CPU, built once with the machine's C++ compiler.
+
+PyTorch's CPU `scaled_dot_product_attention` runs a decode step (one query per sequence)
+through its flash kernel, which handles each (sequence, head) as a tiny matrix product
+and reads K/V at about half the bandwidth a plain stream gets (BENCHMARKS.md, issue 17,
+session 13). `csrc/decode_attention.cpp` does the same math as one loop per (sequence,
+KV head): it reads each K and V row once for all the query heads that share it, and keeps
+its accumulators in registers. One layer's decode attention ran 1.3-2.0x faster than
+SDPA on one core (`python benchmarks/decode_attention.py`).
+
+The kernel has no PyTorch headers: it is one C++ file compiled in well under a second
+with `-O3 -march=native` into a shared library under `$SYMBIONT_HOME/kernels` (default
+`~/.cache/symbiont/kernels`), named by a hash of the source, the compiler, its flags and
+this CPU, and called through `ctypes` (which releases the GIL). It runs on the threads
+of torch's own OpenMP runtime (the process has one `libgomp.so.1`, torch's), as many as
+`torch.get_num_threads()`.
+
+Where it cannot be built (no compiler, a compiler too old for `__builtin_shufflevector`:
+GCC 12 or clang), `load()` returns None and says why in `unavailable_reason()`; the engine
+then uses SDPA, as it does for anything the kernel does not cover (not float32, not on a
+CPU, soft-capped logits). `symbiont serve --no-decode-kernel` always uses SDPA. Results
+agree with SDPA within float32 rounding, not bit for bit (another summation order, and a
+polynomial exp good to about 1 ulp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_why_not: list[str] = []  # the reason the last load() gave None
+
+
+class DecodeKernel:
+    """`kernel(q, k, v, mask, scale)`: softmax(q kᵀ · scale + mask) v for one query per
+    sequence, where `applies` says the tensors fit it."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._fn = lib.decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, i64, i64, i64] * 3 + [ptr, i64, ptr] + [i64] * 5
+        self._fn.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
+        self._fn.restype = None
+
+    @staticmethod
+    def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether the kernel computes this call: float32 on a CPU, head dims contiguous."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype == k.dtype == mask.dtype == torch.float32
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [n, kv_heads, share, hd]: query heads grouped by their KV head
+        k: torch.Tensor,  # [n, kv_heads, L, hd], any strides but the last
+        v: torch.Tensor,  # [n, kv_heads, L, hd], any strides but the last
+        mask: torch.Tensor,  # [n, 1, 1, L] additive: 0 or -inf
+        scale: float,
+    ) -> torch.Tensor:  # [n, kv_heads, share, hd]
+        n, kv_heads, share, hd = q.shape
+        width = k.shape[2]
+        if k.shape != (n, kv_heads, width, hd) or v.shape != k.shape:
+            raise ValueError(
+                f"decode kernel: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        rows = mask.reshape(n, width)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        threads = max(1, torch.get_num_threads())
+        out = q.new_empty(n, kv_heads, share, hd)
+        scratch = q.new_empty(threads * share * ((width + 7) // 8 * 8))
+        self._fn(
+            q.data_ptr(), *q.stride()[:3],
+            k.data_ptr(), *k.stride()[:3],
+            v.data_ptr(), *v.stride()[:3],
+            rows.data_ptr(), rows.stride(0),
+            out.data_ptr(), n, kv_heads, share, width, hd,
+            scale, scratch.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+
+def load() -> DecodeKernel | None:
+    """The kernel, built on the first call of this process (cached on disk), or None
+    where it cannot be built: `unavailable_reason()` then says why."""
+    with _lock:
+        return _load()
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` returned None (None when it returned the kernel or was not called)."""
+    return _why_not[-1] if _why_not else None
+
+
+@functools.cache
+def _load() -> DecodeKernel | None:
+    try:
+        path = _built_library()
+        return DecodeKernel(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        _why_not.append(str(err))
+        return None
+
+
+def _built_library() -> Path:
+    """The compiled kernel for this source, compiler and CPU; compiled if not cached."""
+    compiler = _compiler()
+    flags = FLAGS + _openmp_flags()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        compiler.encode(),
+        version.encode(),
+        " ".join(flags).encode(),
+    ):
+        key.update(part)
+    key.update(_cpu_fingerprint().encode())
+    name = f"decode_attention-{key.hexdigest()[:16]}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"symbiont-kernels-{os.getuid()}"):
+        target = folder / name
+        if target.is_file():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # not writable: the next place
+        _compile(compiler, flags, target)
+        return target
+    raise RuntimeError(f"no writable folder for the decode kernel (tried {_cache_dir()})")
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    # Another process may build the same file: each writes its own, then renames it over.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", partial],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last}")
+        os.replace(partial, target)
+        log.info("decode attention kernel built: %s", target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise RuntimeError("no C++ compiler found (set $CXX, or install g++ >= 12 or clang)")
+
+
+def _openmp_flags() -> tuple[str, ...]:
+    """-fopenmp where torch ships libgomp: the kernel's DT_NEEDED libgomp.so.1 then binds
+    to the copy torch already loaded, so both share one thread pool. Elsewhere a second
+    OpenMP runtime would spin beside torch's, so the kernel stays on one thread."""
+    return ("-fopenmp",) if (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists() else ()
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: a cached build must not run on another CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _cache_dir() -> Path:
+    home = os.environ.get("SYMBIONT_HOME")
+    root = Path(home).expanduser() if home else Path.home() / ".cache" / "symbiont"
+    return root / "kernels"

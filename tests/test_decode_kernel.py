@@ -1,0 +1,205 @@
+"""symbiont's CPU decode attention kernel (symbiont/serve/decode_kernel.py) against SDPA,
+the engine running through it against vanilla transformers, and what happens where it
+cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from symbiont import BaseExecutor, load_client
+from symbiont.serve import Engine, EngineConfig, Request, SamplingParams, decode_kernel
+from tests.test_serve_common import Reference, prompts
+from tests.tiny_models import ARCHS, build_checkpoint
+
+ATOL = 2e-6  # float32: another summation order and a polynomial exp (about 1 ulp)
+LOGITS_ATOL = 1e-4  # the engine's tolerance against vanilla (tests/test_serve_attention.py)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = decode_kernel.load()
+    if found is None:
+        pytest.skip(f"decode kernel not built here: {decode_kernel.unavailable_reason()}")
+    return found
+
+
+def pool_case(n, kv_heads, share, hd, width, seed, window=None):
+    """Queries and an in-place strided view of a pool (rows `stride` slots apart, slots
+    beyond each context holding NaN), with the engine's additive mask."""
+    g = torch.Generator().manual_seed(seed)
+    stride = width + 5
+    pools = []
+    for _ in range(2):
+        pool = torch.randn(kv_heads, n * stride + 3, hd, generator=g)
+        pools.append(pool)
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    lengths[0] = width
+    positions = torch.arange(width)
+    allowed = positions[None] < lengths[:, None]
+    if window is not None:
+        allowed &= positions[None] > (lengths[:, None] - 1) - window
+    for pool in pools:  # what lies outside a context must never reach the output
+        view = pool[:, 3:].view(kv_heads, n, stride, hd)
+        view[:, :, :width][:, ~allowed] = float("nan")
+        view[:, :, width:] = float("nan")
+    k, v = (
+        p.as_strided((n, kv_heads, width, hd), (stride * hd, p.stride(0), hd, 1), 3 * hd)
+        for p in pools
+    )
+    mask = torch.zeros(n, 1, 1, width).masked_fill_(~allowed[:, None, None], float("-inf"))
+    q = torch.randn(n, kv_heads, share, hd, generator=g)
+    return q, k, v, mask
+
+
+def sdpa_reference(q, k, v, mask, scale):
+    """SDPA on clean copies: masked slots zeroed (SDPA itself lets NaN through 0 x NaN)."""
+    keep = torch.isfinite(mask).transpose(-1, -2)  # [n, 1, width, 1]
+    k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64, 128, 24])  # 24: the generic (untemplated) path
+@pytest.mark.parametrize("share", [1, 3, 8])
+def test_kernel_equals_sdpa(kernel, hd, share):
+    for seed, (n, kv_heads, width) in enumerate([(1, 1, 1), (5, 2, 7), (7, 2, 9), (4, 3, 130)]):
+        q, k, v, mask = pool_case(n, kv_heads, share, hd, width, seed)
+        got = kernel(q, k, v, mask, hd**-0.5)
+        want = sdpa_reference(q, k, v, mask, hd**-0.5)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+
+def test_kernel_windows_and_threads(kernel):
+    """Masked keys before the window and after the context, on 1 and 2 threads; a
+    contiguous (gathered) K/V and an out-of-order mask layout take the same path."""
+    q, k, v, mask = pool_case(9, 2, 2, 64, 300, seed=3, window=37)
+    want = sdpa_reference(q, k, v, mask, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            torch.testing.assert_close(kernel(q, k, v, mask, 0.125), want, atol=ATOL, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    clean_k, clean_v = (torch.nan_to_num(t, nan=0.0).contiguous() for t in (k, v))
+    torch.testing.assert_close(kernel(q, clean_k, clean_v, mask, 0.125), want, atol=ATOL, rtol=1e-5)
+
+
+def test_kernel_refuses_mismatched_shapes(kernel):
+    q, k, v, mask = pool_case(2, 2, 2, 16, 8, seed=0)
+    with pytest.raises(ValueError, match="decode kernel: q"):
+        kernel(q, k[:, :1], v[:, :1], mask, 0.25)
+
+
+def test_applies_only_to_float32_on_a_cpu():
+    q, k, _, mask = pool_case(2, 2, 2, 16, 8, seed=0)
+    assert decode_kernel.DecodeKernel.applies(q, k, mask)
+    assert not decode_kernel.DecodeKernel.applies(q.double(), k.double(), mask.double())
+    assert not decode_kernel.DecodeKernel.applies(q.bfloat16(), k.bfloat16(), mask.bfloat16())
+    assert not decode_kernel.DecodeKernel.applies(q.transpose(-1, -2), k, mask)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """load() as in a new process, building into an empty SYMBIONT_HOME."""
+    monkeypatch.setenv("SYMBIONT_HOME", str(tmp_path))
+    decode_kernel._load.cache_clear()
+    yield tmp_path
+    decode_kernel._load.cache_clear()
+
+
+def test_build_is_cached_under_symbiont_home(fresh_load, kernel):
+    built = decode_kernel.load()
+    assert built is not None and built.path.parent == fresh_load / "kernels"
+    stamp = built.path.stat().st_mtime_ns
+    decode_kernel._load.cache_clear()
+    assert decode_kernel.load().path == built.path  # found, not rebuilt
+    assert built.path.stat().st_mtime_ns == stamp
+    assert [p.name for p in built.path.parent.iterdir()] == [built.path.name]  # no leftovers
+
+
+def test_no_compiler_means_sdpa_with_the_reason(fresh_load, monkeypatch):
+    monkeypatch.setenv("PATH", str(fresh_load))
+    monkeypatch.delenv("CXX", raising=False)
+    assert decode_kernel.load() is None
+    assert "no C++ compiler found" in decode_kernel.unavailable_reason()
+
+
+def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
+    broken = fresh_load / "broken-cxx"
+    broken.write_text("#!/bin/sh\necho 'broken-cxx: error: no such flag' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    assert decode_kernel.load() is None
+    reason = decode_kernel.unavailable_reason()
+    assert "could not build decode_attention.cpp: broken-cxx: error: no such flag" in reason
+    assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+CONFIG = EngineConfig(max_running=6, max_batched_tokens=64, block_size=4, num_blocks=128)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral_window"])
+def model(request, tmp_path_factory):
+    arch, extra = {"llama": ("llama", {}), "mistral_window": ("mistral", {"sliding_window": 5})}[
+        request.param
+    ]
+    spec = dataclasses.replace(ARCHS[arch], config={**ARCHS[arch].config, **extra})
+    base = build_checkpoint(spec, tmp_path_factory.mktemp(request.param))
+    return base, Reference(base, {})
+
+
+def test_engine_decodes_through_the_kernel_as_vanilla(model, kernel, monkeypatch):
+    base, reference = model
+    calls = []
+    call = decode_kernel.DecodeKernel.__call__
+
+    def counted(self, *args):
+        calls.append(args[0].shape)
+        return call(self, *args)
+
+    monkeypatch.setattr(decode_kernel.DecodeKernel, "__call__", counted)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), CONFIG)
+    assert engine.runner.decode_kernel is not None
+    batch = prompts(5, seed=11, low=3, high=15)
+    for prompt, got in zip(batch, engine.generate(batch, [None] * 5, GREEDY), strict=True):
+        assert got == reference.generate(prompt, None, GREEDY.max_tokens)
+    assert calls, "the engine never called the decode kernel"
+    # and the logits of one decode step, against vanilla on the same tokens
+    for i, p in enumerate(prompts(3, seed=12, low=4, high=9)):
+        engine.add_request(Request(f"s{i}", p, None, GREEDY))
+    engine.step()
+    engine.step()
+    scheduled = engine.scheduler.schedule()
+    assert all(item.n_tokens == 1 for item in scheduled)
+    logits = engine.runner.run(scheduled).sampling
+    for row, item in zip(logits, scheduled, strict=True):
+        want = reference.logits(item.seq.token_ids[: item.start + 1], None)[-1]
+        torch.testing.assert_close(row, want, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_no_decode_kernel_flag_and_fallback(model, fresh_load, monkeypatch, caplog):
+    base, reference = model
+    off = Engine(
+        load_client(base, BaseExecutor.from_pretrained(base)),
+        dataclasses.replace(CONFIG, decode_kernel=False),
+    )
+    assert off.runner.decode_kernel is None
+    monkeypatch.setenv("PATH", str(fresh_load))  # no compiler: the engine uses SDPA
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level(logging.INFO, logger="symbiont.serve.model_runner"):
+        fallback = Engine(load_client(base, BaseExecutor.from_pretrained(base)), CONFIG)
+    assert fallback.runner.decode_kernel is None
+    assert "PyTorch's SDPA, as symbiont's CPU kernel could not be built (no C++ compiler" in (
+        caplog.text
+    )
+    batch = prompts(3, seed=13, low=3, high=12)
+    for engine in (off, fallback):
+        for prompt, got in zip(batch, engine.generate(batch, [None] * 3, GREEDY), strict=True):
+            assert got == reference.generate(prompt, None, GREEDY.max_tokens)
