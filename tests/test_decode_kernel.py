@@ -141,6 +141,24 @@ def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
     assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone
 
 
+def test_folders_others_can_write_are_not_used(fresh_load, monkeypatch, kernel):
+    """A library in a folder another user can write could be theirs: never loaded."""
+    shared = fresh_load / "kernels"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    tmp = fresh_load / "tmp"
+    monkeypatch.setattr(decode_kernel.tempfile, "gettempdir", lambda: str(tmp))
+    built = decode_kernel.load()  # the private fallback under the temporary folder
+    assert built is not None and built.path.parent.parent == tmp
+    assert not any(shared.iterdir())
+    built.path.parent.chmod(0o777)
+    decode_kernel._load.cache_clear()
+    assert decode_kernel.load() is None
+    reason = decode_kernel.unavailable_reason()
+    assert "no folder of this user's own for the decode kernel" in reason
+    assert "writable by others (mode 777); chmod go-w it" in reason
+
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 CONFIG = EngineConfig(max_running=6, max_batched_tokens=64, block_size=4, num_blocks=128)
 

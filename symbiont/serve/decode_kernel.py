@@ -143,17 +143,32 @@ def _built_library() -> Path:
         key.update(part)
     key.update(_cpu_fingerprint().encode())
     name = f"decode_attention-{key.hexdigest()[:16]}.so"
+    tried = []
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"symbiont-kernels-{os.getuid()}"):
-        target = folder / name
-        if target.is_file():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue  # not writable: the next place
-        _compile(compiler, flags, target)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            tried.append(f"{folder}: {err.strerror}")
+            continue
+        why_not = _unsafe(folder)
+        if why_not:  # another user could have put a library of theirs here
+            tried.append(f"{folder}: {why_not}")
+            continue
+        target = folder / name
+        if not target.is_file():
+            _compile(compiler, flags, target)
         return target
-    raise RuntimeError(f"no writable folder for the decode kernel (tried {_cache_dir()})")
+    raise RuntimeError(f"no folder of this user's own for the decode kernel ({'; '.join(tried)})")
+
+
+def _unsafe(folder: Path) -> str | None:
+    """Why a library in `folder` could be someone else's (None: it is ours alone)."""
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"owned by uid {info.st_uid}, not this user ({os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"writable by others (mode {info.st_mode & 0o777:o}); chmod go-w it"
+    return None
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
