@@ -90,6 +90,28 @@ def test_kernel_windows_and_threads(kernel):
     torch.testing.assert_close(kernel(q, clean_k, clean_v, mask, 0.125), want, atol=ATOL, rtol=1e-5)
 
 
+def test_kernel_reads_only_each_rows_unmasked_range(kernel):
+    """Rows of a wide view whose keys lie in a short range (a short context, a filler
+    row attending to position 0 only, a window) skip the rest; a row with every key
+    masked gives zeros (SDPA gives NaN there: the engine never sends one)."""
+    q, k, v, mask = pool_case(6, 2, 3, 64, 70, seed=4)
+    mask[1] = float("-inf")
+    mask[1, ..., 0] = 0.0  # a filler row
+    mask[2] = float("-inf")
+    mask[2, ..., 30:41] = 0.0  # a window in the middle
+    mask[3] = float("-inf")  # nothing to attend to
+    k[:, :, :].nan_to_num_(nan=0.0)
+    v[:, :, :].nan_to_num_(nan=0.0)
+    k[1, :, 1:] = float("nan")  # what a row does not attend to is never read
+    k[2, :, :30] = float("nan")
+    v[2, :, 41:] = float("nan")
+    got = kernel(q, k, v, mask, 0.125)
+    want = sdpa_reference(q, k, v, mask, 0.125)
+    rows = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(got[rows], want[rows], atol=ATOL, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
 def test_kernel_refuses_mismatched_shapes(kernel):
     q, k, v, mask = pool_case(2, 2, 2, 16, 8, seed=0)
     with pytest.raises(ValueError, match="decode kernel: q"):

@@ -155,53 +155,60 @@ static void attend(
 #else
         float* s = scratch;
 #endif
-        const float* m = mask + r * ms0;
-        {
-            const float* qh = q + r * qs0 + h * qs1;
-            const float* kh = k + r * ks0 + h * ks1;
-            const float* vh = v + r * vs0 + h * vs1;
-            float* o = out + ((r * kvh + h) * share) * hd;
-            // The next item's keys (the last item prefetches its own again: harmless)
-            const int64_t next = item + 1 < n * kvh ? item + 1 : item;
-            const float* kn = k + (next / kvh) * ks0 + (next % kvh) * ks1;
-            const float* vn = v + (next / kvh) * vs0 + (next % kvh) * vs1;
-            for (int64_t j0 = 0; j0 < L; j0 += 8) {
-                const int64_t nk = L - j0 < 8 ? L - j0 : 8;
-                v8 mv;
-                for (int t = 0; t < 8; t++) mv[t] = t < nk ? m[j0 + t] : -INFINITY;
-                // Start reading this block's values, which the value pass reads after the
-                // softmax, and the next item's keys: a context is a few 4 KiB pages, and
-                // the hardware prefetchers stop at each page's end, so without this each
-                // page would begin with a wait for memory.
-                for (int64_t t = 0; t < nk; t++) {
-                    prefetch_row(vh + (j0 + t) * vs2, hd);
-                    prefetch_row(kn + (j0 + t) * ks2, hd);
-                }
-                for (int64_t a = 0; a < share; a++) {
-                    v8 sc = scores8<HD>(qh + a * qs2, kh + j0 * ks2, ks2, nk, hd);
-                    st(s + a * Lp + j0, mv == ninf ? ninf : sc * splat(scale) + mv);
-                }
+        // Only the keys from the row's first unmasked one to its last are read: rows of
+        // short contexts in a wide view, and the view's filler rows, skip the rest.
+        const float* mrow = mask + r * ms0;
+        int64_t lo = 0, hi = L;
+        while (lo < hi && mrow[lo] == -INFINITY) lo++;
+        while (hi > lo && mrow[hi - 1] == -INFINITY) hi--;
+        const int64_t Lr = hi - lo;
+        const float* m = mrow + lo;
+        const float* qh = q + r * qs0 + h * qs1;
+        const float* kh = k + r * ks0 + h * ks1 + lo * ks2;
+        const float* vh = v + r * vs0 + h * vs1 + lo * vs2;
+        float* o = out + ((r * kvh + h) * share) * hd;
+        // The next item's keys and values, over this row's range (the last item
+        // prefetches its own again: harmless)
+        const int64_t next = item + 1 < n * kvh ? item + 1 : item;
+        const float* kn = k + (next / kvh) * ks0 + (next % kvh) * ks1 + lo * ks2;
+        const float* vn = v + (next / kvh) * vs0 + (next % kvh) * vs1 + lo * vs2;
+        for (int64_t j0 = 0; j0 < Lr; j0 += 8) {
+            const int64_t nk = Lr - j0 < 8 ? Lr - j0 : 8;
+            v8 mv;
+            for (int t = 0; t < 8; t++) mv[t] = t < nk ? m[j0 + t] : -INFINITY;
+            // Start reading this block's values, which the value pass reads after the
+            // softmax, and the next item's keys: a context is a few 4 KiB pages, and
+            // the hardware prefetchers stop at each page's end, so without this each
+            // page would begin with a wait for memory.
+            for (int64_t t = 0; t < nk; t++) {
+                prefetch_row(vh + (j0 + t) * vs2, hd);
+                prefetch_row(kn + (j0 + t) * ks2, hd);
             }
             for (int64_t a = 0; a < share; a++) {
-                float* sa = s + a * Lp;
-                v8 mx = ninf;
-                for (int64_t j0 = 0; j0 < Lp; j0 += 8) { v8 x = ld(sa + j0); mx = x > mx ? x : mx; }
-                float mxs = -INFINITY;
-                for (int t = 0; t < 8; t++) mxs = mx[t] > mxs ? mx[t] : mxs;
-                v8 sum = splat(0.0f);
-                for (int64_t j0 = 0; j0 < Lp; j0 += 8) {
-                    v8 x = ld(sa + j0);
-                    v8 e = x == ninf ? splat(0.0f) : vexp(x - splat(mxs));
-                    st(sa + j0, e);
-                    sum += e;
-                }
-                float t = 0.0f;
-                for (int i = 0; i < 8; i++) t += sum[i];
-                const v8 inv = splat(t > 0.0f ? 1.0f / t : 0.0f);
-                for (int64_t j0 = 0; j0 < Lp; j0 += 8) st(sa + j0, ld(sa + j0) * inv);
+                v8 sc = scores8<HD>(qh + a * qs2, kh + j0 * ks2, ks2, nk, hd);
+                st(s + a * Lp + j0, mv == ninf ? ninf : sc * splat(scale) + mv);
             }
-            weighted_values<HD>(vh, vs2, m, s, Lp, L, share, hd, o, vn);
         }
+        const int64_t Lrp = (Lr + 7) & ~int64_t(7);
+        for (int64_t a = 0; a < share; a++) {
+            float* sa = s + a * Lp;
+            v8 mx = ninf;
+            for (int64_t j0 = 0; j0 < Lrp; j0 += 8) { v8 x = ld(sa + j0); mx = x > mx ? x : mx; }
+            float mxs = -INFINITY;
+            for (int t = 0; t < 8; t++) mxs = mx[t] > mxs ? mx[t] : mxs;
+            v8 sum = splat(0.0f);
+            for (int64_t j0 = 0; j0 < Lrp; j0 += 8) {
+                v8 x = ld(sa + j0);
+                v8 e = x == ninf ? splat(0.0f) : vexp(x - splat(mxs));
+                st(sa + j0, e);
+                sum += e;
+            }
+            float t = 0.0f;
+            for (int i = 0; i < 8; i++) t += sum[i];
+            const v8 inv = splat(t > 0.0f ? 1.0f / t : 0.0f);
+            for (int64_t j0 = 0; j0 < Lrp; j0 += 8) st(sa + j0, ld(sa + j0) * inv);
+        }
+        weighted_values<HD>(vh, vs2, m, s, Lp, Lr, share, hd, o, vn);
     }
 }
 
