@@ -2,6 +2,7 @@
 
     python benchmarks/decode_attention.py
     python benchmarks/decode_attention.py --heads 8 --kv-heads 4 --head-dim 16  # default model
+    python benchmarks/decode_attention.py --seqs 16 --lengths 64,128,256,512 --layers 8
 
 One layer's attention for `n` decoding sequences (one query each) with contexts of about
 `L` tokens (lengths spread over [3L/4, L]), through the code paths of
@@ -16,7 +17,13 @@ One layer's attention for `n` decoding sequences (one query each) with contexts 
   copy; `in place, 2 rows/seq`: the same with one row computed for nothing per sequence
   (what sets the view's waste limit, MAX_ROWS_PER_SEQ in model_runner.py);
 - per sequence: one SDPA call per sequence over a view of its run (no mask), the other
-  way to read in place.
+  way to read in place;
+- in place, kernel / gather, kernel: the same two paths through symbiont's CPU decode
+  kernel (symbiont/serve/decode_kernel.py), the engine's default on a CPU in float32.
+
+`--layers N` builds N such cases (pools, queries) and times each variant over all N in
+turn, as an engine step calls every layer once: each call then finds its pool out of the
+caches, as in a real step, where a warm rerun of one case would find it cached.
 
 Variants run interleaved, round after round, so machine load hits them alike; each
 figure is the fastest of `--rounds` runs (ms per layer call). Ratios are against the
@@ -31,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from symbiont.serve import decode_kernel
 from symbiont.serve.attention import _group_attention
 from symbiont.serve.context import AttnGroup, PoolRows
 
@@ -67,8 +75,12 @@ def make_case(n: int, length: int, heads: int, kv_heads: int, hd: int, seed: int
         rows = PoolRows(0, align * BLOCK, n_rows, index)
         return AttnGroup(n, 1, (0, n), None, None, length, rq, rl, rows)
 
-    def run(group):
-        return lambda: _group_attention(group, q, new, new, pool_hm, v_hm, BLOCK, scale, None, None)
+    kernel = decode_kernel.load()
+
+    def run(group, kernel=None):
+        return lambda: _group_attention(
+            group, q, new, new, pool_hm, v_hm, BLOCK, scale, None, None, kernel
+        )
 
     def old_gather():
         group = old
@@ -97,24 +109,32 @@ def make_case(n: int, length: int, heads: int, kv_heads: int, hd: int, seed: int
         return out
 
     old = gathered_group(scattered)
-    return {
+    variants = {
         "gather, token-major (before)": old_gather,
         "gather": run(gathered_group(scattered)),
         "in place": run(rows_group(1)),
         "in place, 2 rows/seq": run(rows_group(2)),
         "per sequence": per_sequence,
     }
+    if kernel is not None:
+        variants["gather, kernel"] = run(gathered_group(scattered), kernel)
+        variants["in place, kernel"] = run(rows_group(1), kernel)
+    return variants
 
 
-def measure(variants: dict, rounds: int) -> dict[str, float]:
-    best = dict.fromkeys(variants, float("inf"))
-    for fn in variants.values():
-        fn()  # warm up
+def measure(cases: list[dict], rounds: int) -> dict[str, float]:
+    """ms per call of each variant: the best round, a round calling it once per case."""
+    names = list(cases[0])
+    best = dict.fromkeys(names, float("inf"))
+    for case in cases:
+        for fn in case.values():
+            fn()  # warm up
     for _ in range(rounds):
-        for name, fn in variants.items():
+        for name in names:
             start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            for case in cases:
+                case[name]()
+            best[name] = min(best[name], (time.perf_counter() - start) / len(cases))
     return {name: t * 1e3 for name, t in best.items()}
 
 
@@ -126,15 +146,25 @@ def main() -> None:
     p.add_argument("--seqs", default="8,32", help="decoding sequences, comma-separated")
     p.add_argument("--lengths", default="32,64,128,256,384,512,768")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--layers", type=int, default=1, help="cases timed in turn (see above)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    print(f"heads {args.heads}, kv_heads {args.kv_heads}, head_dim {args.head_dim}, block {BLOCK}")
+    torch.set_num_threads(args.threads)
+    if decode_kernel.load() is None:
+        print(f"no kernel variants: {decode_kernel.unavailable_reason()}")
+    print(
+        f"heads {args.heads}, kv_heads {args.kv_heads}, head_dim {args.head_dim}, block {BLOCK}, "
+        f"{args.layers} layer(s), {args.threads} thread(s)"
+    )
     names = None
     with torch.inference_mode():
         for n in map(int, args.seqs.split(",")):
             for length in map(int, args.lengths.split(",")):
-                case = make_case(n, length, args.heads, args.kv_heads, args.head_dim)
-                ms = measure(case, args.rounds)
+                cases = [
+                    make_case(n, length, args.heads, args.kv_heads, args.head_dim, seed)
+                    for seed in range(args.layers)
+                ]
+                ms = measure(cases, args.rounds)
                 if names is None:
                     names = list(ms)
                     print("| seqs | context | " + " | ".join(names) + " |")

@@ -3,6 +3,7 @@ plus one killed-subprocess resume and one remote-executor run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,10 +119,21 @@ def test_adapter_made_with_vanilla_peft_runs_in_generate(model_dir, tmp_path, ca
 
 
 def _run_cli(args, **kw):
+    """The CLI under `timeout`, in a process group of its own: a signal for it must go to
+    the group (`_kill_group`), as SIGKILL to `timeout` alone leaves its child running."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        ["timeout", "300", sys.executable, "-m", "symbiont", *args], env=env, cwd=REPO, **kw
+        ["timeout", "300", sys.executable, "-m", "symbiont", *args],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        **kw,
     )
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_killed_finetune_resumes_to_the_same_adapter(model_dir, data, tmp_path):
@@ -145,9 +157,9 @@ def test_killed_finetune_resumes_to_the_same_adapter(model_dir, data, tmp_path):
         while not (cut / "checkpoint-000006").is_dir() and process.poll() is None:
             assert time.monotonic() < deadline, "finetune subprocess made no checkpoint"
             time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)  # at any moment: possibly mid-checkpoint
+        _kill_group(process)  # at any moment: possibly mid-checkpoint
     finally:
-        process.kill()
+        _kill_group(process)
         process.wait()
     assert not (cut / "checkpoint-000040").exists(), "the run finished before it was killed"
     assert main([*finetune_args(model_dir, data, cut, *extra), "--resume"]) == 0
