@@ -92,7 +92,7 @@ class DecodeKernel:
             rows = rows.contiguous()
         threads = max(1, torch.get_num_threads())
         out = q.new_empty(n, kv_heads, share, hd)
-        scratch = q.new_empty(threads * share * ((width + 7) // 8 * 8))
+        scratch = q.new_empty(threads * share * ((width + 15) // 16 * 16))  # rows of whole vectors
         self._fn(
             q.data_ptr(), *q.stride()[:3],
             k.data_ptr(), *k.stride()[:3],
