@@ -155,7 +155,7 @@ class EngineConfig:
         metadata={
             "flag": "--no-decode-kernel",
             "help": "decode attention through PyTorch's SDPA; by default, in float32 on a "
-            "CPU, decoding sequences attend through symbiont's own kernel (1.3-2x faster "
+            "CPU, decoding sequences attend through symbiont's own kernel (1.8-2.8x faster "
             "per layer), compiled once with the machine's C++ compiler (g++ >= 12 or "
             "clang) and cached under $SYMBIONT_HOME/kernels; without a compiler, SDPA "
             "(symbiont/serve/decode_kernel.py)",

@@ -5,8 +5,8 @@ through its flash kernel, which handles each (sequence, head) as a tiny matrix p
 and reads K/V at about half the bandwidth a plain stream gets (BENCHMARKS.md, issue 17,
 session 13). `csrc/decode_attention.cpp` does the same math as one loop per (sequence,
 KV head): it reads each K and V row once for all the query heads that share it, and keeps
-its accumulators in registers. One layer's decode attention ran 1.3-2.0x faster than
-SDPA on one core (`python benchmarks/decode_attention.py`).
+its accumulators in registers. One layer's decode attention ran 1.8-2.8x faster than
+SDPA on one core and 1.8-3.3x on two (`python benchmarks/decode_attention.py --layers 8`).
 
 The kernel has no PyTorch headers: it is one C++ file compiled in well under a second
 with `-O3 -march=native` into a shared library under `$SYMBIONT_HOME/kernels` (default
