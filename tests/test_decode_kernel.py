@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +115,21 @@ def test_kernel_reads_only_each_rows_unmasked_range(kernel):
     assert torch.equal(got[3], torch.zeros_like(got[3]))
 
 
+def test_nan_reaches_the_output_as_with_sdpa(kernel):
+    """A NaN in an attended key or in a query makes that row NaN, as SDPA does: a
+    diverging model must not turn into plausible text."""
+    q, k, v, mask = pool_case(4, 2, 2, 64, 40, seed=6)
+    for t in (k, v):
+        t.nan_to_num_(nan=0.0)
+    k[1, 0, 3, 5] = float("nan")  # row 1, KV head 0: its query heads 0 and 1
+    q[2, 1, 0, 0] = float("nan")  # row 2, KV head 1, its first query head
+    got = kernel(q, k, v, mask, 0.125)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[1, 0].isnan().all() and got[2, 1, 0].isnan().all()
+    assert not got[0].isnan().any() and not got[3].isnan().any()
+
+
 def test_kernel_refuses_mismatched_shapes(kernel):
     q, k, v, mask = pool_case(2, 2, 2, 16, 8, seed=0)
     with pytest.raises(ValueError, match="decode kernel: q"):
@@ -143,6 +161,70 @@ def test_build_is_cached_under_symbiont_home(fresh_load, kernel):
     assert decode_kernel.load().path == built.path  # found, not rebuilt
     assert built.path.stat().st_mtime_ns == stamp
     assert [p.name for p in built.path.parent.iterdir()] == [built.path.name]  # no leftovers
+
+
+def test_a_broken_cached_library_is_built_again(fresh_load, monkeypatch, kernel):
+    """A truncated file, or a library without the kernel, at the cached name is rebuilt
+    (before, every later start failed on it, or raised)."""
+    name = decode_kernel.load().path.name  # the same in every folder: one source, CPU
+    other = fresh_load / "other.cpp"
+    other.write_text('extern "C" int something_else() { return 1; }\n')
+    compiler = decode_kernel._compiler()
+    for content in ("truncated", "no kernel inside"):
+        home = fresh_load / content.replace(" ", "-")
+        cached = home / "kernels" / name
+        cached.parent.mkdir(parents=True, mode=0o700)
+        if content == "truncated":
+            cached.write_bytes(b"\x7fELF")
+        else:
+            subprocess.run(
+                [compiler, "-shared", "-fPIC", str(other), "-o", str(cached)], check=True
+            )
+        monkeypatch.setenv("SYMBIONT_HOME", str(home))
+        decode_kernel._load.cache_clear()
+        again = decode_kernel.load()
+        assert again is not None, decode_kernel.unavailable_reason()
+        assert again.path == cached
+        q, k, v, mask = pool_case(2, 2, 2, 16, 8, seed=0)
+        torch.testing.assert_close(
+            again(q, k, v, mask, 0.25), sdpa_reference(q, k, v, mask, 0.25), atol=ATOL, rtol=1e-5
+        )
+
+
+def test_without_a_home_the_private_temporary_folder_is_used(fresh_load, monkeypatch, kernel):
+    monkeypatch.delenv("SYMBIONT_HOME")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(decode_kernel.Path, "home", no_home)
+    tmp = fresh_load / "tmp"
+    monkeypatch.setattr(decode_kernel.tempfile, "gettempdir", lambda: str(tmp))
+    built = decode_kernel.load()
+    assert built is not None, decode_kernel.unavailable_reason()
+    assert built.path.parent == tmp / f"symbiont-kernels-{os.getuid()}"
+
+
+def test_a_later_success_clears_the_reason(fresh_load, monkeypatch, kernel):
+    monkeypatch.setenv("CXX", str(fresh_load / "missing-compiler"))
+    monkeypatch.setenv("PATH", str(fresh_load))
+    assert decode_kernel.load() is None and decode_kernel.unavailable_reason()
+    monkeypatch.undo()
+    monkeypatch.setenv("SYMBIONT_HOME", str(fresh_load))
+    decode_kernel._load.cache_clear()
+    assert decode_kernel.load() is not None
+    assert decode_kernel.unavailable_reason() is None
+
+
+def test_built_for_torchs_openmp_threads(kernel):
+    """Where torch ships libgomp the kernel is built with OpenMP and shares torch's one
+    runtime (a second one would spin beside torch's threads)."""
+    torch_gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not torch_gomp.exists():
+        pytest.skip("this torch build ships no libgomp: the kernel runs on one thread")
+    assert b"GOMP_parallel" in kernel.path.read_bytes()
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    assert {Path(m).resolve() for m in mapped if "libgomp" in m} == {torch_gomp.resolve()}
 
 
 def test_no_compiler_means_sdpa_with_the_reason(fresh_load, monkeypatch):
@@ -185,11 +267,16 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 CONFIG = EngineConfig(max_running=6, max_batched_tokens=64, block_size=4, num_blocks=128)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral_window"])
+MODELS = {  # head dims 16 and 32 run the kernel's specialised code, 8 its generic one
+    "llama_hd16": ("llama", {"hidden_size": 64, "intermediate_size": 96}),
+    "qwen2_hd32": ("qwen2", {"hidden_size": 128, "intermediate_size": 96}),
+    "mistral_window_hd8": ("mistral", {"sliding_window": 5}),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
-    arch, extra = {"llama": ("llama", {}), "mistral_window": ("mistral", {"sliding_window": 5})}[
-        request.param
-    ]
+    arch, extra = MODELS[request.param]
     spec = dataclasses.replace(ARCHS[arch], config={**ARCHS[arch].config, **extra})
     base = build_checkpoint(spec, tmp_path_factory.mktemp(request.param))
     return base, Reference(base, {})

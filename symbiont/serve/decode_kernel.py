@@ -119,14 +119,15 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def _load() -> DecodeKernel | None:
     try:
-        path = _built_library()
-        return DecodeKernel(ctypes.CDLL(str(path)), path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        kernel = _built_kernel()
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         _why_not.append(str(err))
         return None
+    _why_not.clear()
+    return kernel
 
 
-def _built_library() -> Path:
+def _built_kernel() -> DecodeKernel:
     """The compiled kernel for this source, compiler and CPU; compiled if not cached."""
     compiler = _compiler()
     flags = FLAGS + _openmp_flags()
@@ -144,26 +145,49 @@ def _built_library() -> Path:
     key.update(_cpu_fingerprint().encode())
     name = f"decode_attention-{key.hexdigest()[:16]}.so"
     tried = []
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"symbiont-kernels-{os.getuid()}"):
+    for folder in _folders():
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            dir_fd = _open_own_folder(folder)
         except OSError as err:
-            tried.append(f"{folder}: {err.strerror}")
+            tried.append(f"{folder}: {err.strerror or err}")
             continue
-        why_not = _unsafe(folder)
-        if why_not:  # another user could have put a library of theirs here
-            tried.append(f"{folder}: {why_not}")
-            continue
-        target = folder / name
-        if not target.is_file():
-            _compile(compiler, flags, target)
-        return target
+        try:
+            return _load_or_build(folder, dir_fd, name, compiler, flags)
+        finally:
+            os.close(dir_fd)
     raise RuntimeError(f"no folder of this user's own for the decode kernel ({'; '.join(tried)})")
 
 
-def _unsafe(folder: Path) -> str | None:
-    """Why a library in `folder` could be someone else's (None: it is ours alone)."""
-    info = folder.stat()
+def _folders() -> list[Path]:
+    """Where the library may live: the cache folder, else a private temporary one."""
+    tmp = Path(tempfile.gettempdir()) / f"symbiont-kernels-{os.getuid()}"
+    home = os.environ.get("SYMBIONT_HOME")
+    try:
+        root = Path(home).expanduser() if home else Path.home() / ".cache" / "symbiont"
+    except (RuntimeError, KeyError):  # no $HOME and a uid without a passwd entry
+        return [tmp]
+    return [root / "kernels", tmp]
+
+
+# A folder is checked, then used through its file descriptor, and the library is opened
+# relative to it and checked again: whoever can write the folder's parent could swap
+# the folder between a check by path and a load by path.
+_OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_OPEN_FILE = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_own_folder(folder: Path) -> int:
+    fd = os.open(folder, _OPEN_DIR)
+    why_not = _unsafe(os.fstat(fd))
+    if why_not:  # another user could have put a library of theirs here
+        os.close(fd)
+        raise OSError(why_not)
+    return fd
+
+
+def _unsafe(info: os.stat_result) -> str | None:
+    """Why a file or folder could be someone else's (None: it is ours alone)."""
     if info.st_uid != os.getuid():
         return f"owned by uid {info.st_uid}, not this user ({os.getuid()})"
     if info.st_mode & 0o022:
@@ -171,9 +195,36 @@ def _unsafe(folder: Path) -> str | None:
     return None
 
 
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def _load_or_build(
+    folder: Path, dir_fd: int, name: str, compiler: str, flags: tuple[str, ...]
+) -> DecodeKernel:
+    try:
+        return _open_library(folder, dir_fd, name)
+    except FileNotFoundError:
+        pass
+    except (OSError, AttributeError) as err:  # truncated, foreign, not ours: built anew
+        log.info("rebuilding the decode attention kernel: %s", err)
+    _compile(compiler, flags, folder, dir_fd, name)
+    return _open_library(folder, dir_fd, name)
+
+
+def _open_library(folder: Path, dir_fd: int, name: str) -> DecodeKernel:
+    fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+    try:
+        why_not = _unsafe(os.fstat(fd))
+        if why_not:
+            raise OSError(f"{folder / name}: {why_not}")
+        # the very file checked, whatever its folder's path now leads to
+        proc = f"/proc/self/fd/{fd}"
+        lib = ctypes.CDLL(proc if os.path.exists(proc) else str(folder / name))
+    finally:
+        os.close(fd)
+    return DecodeKernel(lib, folder / name)
+
+
+def _compile(compiler: str, flags: tuple[str, ...], folder: Path, dir_fd: int, name: str) -> None:
     # Another process may build the same file: each writes its own, then renames it over.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run(
@@ -186,8 +237,10 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last}")
-        os.replace(partial, target)
-        log.info("decode attention kernel built: %s", target)
+        # inside the folder checked: a partial file not found there was written elsewhere
+        os.chmod(Path(partial).name, 0o700, dir_fd=dir_fd)  # whatever the umask
+        os.replace(Path(partial).name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        log.info("decode attention kernel built: %s", folder / name)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
@@ -215,9 +268,3 @@ def _cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
     wanted = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def _cache_dir() -> Path:
-    home = os.environ.get("SYMBIONT_HOME")
-    root = Path(home).expanduser() if home else Path.home() / ".cache" / "symbiont"
-    return root / "kernels"

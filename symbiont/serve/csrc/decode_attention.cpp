@@ -39,11 +39,14 @@ static inline v8 sum8(const v8* a) {
 
 // exp of each lane: Cephes' expf (range reduction by ln 2, degree-5 polynomial), about 1 ulp
 static inline v8 vexp(v8 x) {
-    x = x < splat(88.3762626647949f) ? x : splat(88.3762626647949f);
-    x = x > splat(-88.3762626647949f) ? x : splat(-88.3762626647949f);
+    // clamped so that a NaN stays NaN (and reaches the output, as with SDPA)
+    x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
+    x = x < splat(-88.3762626647949f) ? splat(-88.3762626647949f) : x;
     v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
-    v8 fl;
-    for (int i = 0; i < 8; i++) fl[i] = __builtin_floorf(fx[i]);
+    // floor as a truncation corrected for negatives (|fx| <= 128 here): a per-lane
+    // floorf compiled to one scalar instruction per lane
+    v8 fl = __builtin_convertvector(__builtin_convertvector(fx, i8), v8);
+    fl = fl > fx ? fl - 1.0f : fl;
     x = x - fl * splat(0.693359375f) - fl * splat(-2.12194440e-4f);
     v8 z = x * x;
     v8 y = splat(1.9875691500E-4f);
@@ -205,7 +208,7 @@ static void attend(
             }
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t += sum[i];
-            const v8 inv = splat(t > 0.0f ? 1.0f / t : 0.0f);
+            const v8 inv = splat(t == 0.0f ? 0.0f : 1.0f / t);  // NaN stays NaN
             for (int64_t j0 = 0; j0 < Lrp; j0 += 8) st(sa + j0, ld(sa + j0) * inv);
         }
         weighted_values<HD>(vh, vs2, m, s, Lp, Lr, share, hd, o, vn);
