@@ -178,13 +178,16 @@ def forward_split(args, engine) -> dict[str, float]:
         if event.name == "symbiont::forward":
             totals["forward"] += event.cpu_time_total
             continue
+        if event.name == "symbiont::attention":  # all of it: ops, Python, the CPU kernel
+            totals["attention"] += event.cpu_time_total
+            continue
         is_op = event.name.startswith(("aten::", "mkldnn::"))
         if not is_op or not _inside(event, "symbiont::forward"):
             continue
         self_us = event.self_cpu_time_total
         if _inside(event, "symbiont::attention"):
-            totals["attention"] += self_us
-        elif event.name in MATMUL_OPS:
+            continue  # counted with its range
+        if event.name in MATMUL_OPS:
             totals["matmul"] += self_us
         else:
             totals["other tensor ops"] += self_us
@@ -231,7 +234,9 @@ def http_cost(args, model: str) -> tuple[float, float, int]:
             max_running=args.batch,
             max_batched_tokens=args.max_batched_tokens,
             max_queue=args.batch + 1,
+            decode_kernel=not args.sdpa,
         ),
+        prepack=args.prepack,
     )
     try:
         with BackgroundServer(config) as server:
@@ -409,6 +414,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="base weights packed for oneDNN, as `symbiont serve` runs by default",
     )
+    p.add_argument(
+        "--sdpa",
+        action="store_true",
+        help="decode attention through PyTorch's SDPA, as before symbiont's CPU kernel "
+        "(symbiont serve --no-decode-kernel)",
+    )
     p.add_argument("--json", help="also write the breakdown here")
     p.add_argument(
         "--fusion-ab",
@@ -445,7 +456,10 @@ def main(argv=None) -> int:
 
     model = str(symbiont.default_model()) if args.model == "default" else args.model
     config = EngineConfig(
-        max_running=args.batch, max_batched_tokens=args.max_batched_tokens, max_queue=args.batch
+        max_running=args.batch,
+        max_batched_tokens=args.max_batched_tokens,
+        max_queue=args.batch,
+        decode_kernel=not args.sdpa,
     )
     from symbiont.tenant import open_executor
 
