@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -330,3 +331,33 @@ def test_no_decode_kernel_flag_and_fallback(model, fresh_load, monkeypatch, capl
     for engine in (off, fallback):
         for prompt, got in zip(batch, engine.generate(batch, [None] * 3, GREEDY), strict=True):
             assert got == reference.generate(prompt, None, GREEDY.max_tokens)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_benchmarks_run(kernel, tmp_path_factory):
+    """The documented commands of benchmarks/decode_attention.py and profile_decode.py
+    --kernel-ab / --sdpa, at the smallest sizes: they run and show both arms."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = [sys.executable, str(REPO / "benchmarks" / "decode_attention.py")]
+    out = subprocess.run(
+        [*run, "--seqs", "2", "--lengths", "16", "--rounds", "1", "--layers", "2"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "in place, kernel" in out and "| 2 | 16 |" in out
+    arch, extra = MODELS["llama_hd16"]
+    spec = dataclasses.replace(ARCHS[arch], config={**ARCHS[arch].config, **extra})
+    base = build_checkpoint(spec, tmp_path_factory.mktemp("bench"))
+    profile = [sys.executable, str(REPO / "benchmarks" / "profile_decode.py"), "--model", str(base)]
+    small = ["--batch", "2", "--prompt-len", "8", "--steps", "2", "--max-batched-tokens", "64"]
+    out = subprocess.run(
+        [*profile, *small, "--kernel-ab", "2"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "| SDPA |" in out and "| decode kernel |" in out
+    out = subprocess.run(
+        [*profile, *small, "--profile-steps", "2", "--sdpa"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "forward: attention" in out and "engine-only decode" in out
