@@ -161,6 +161,17 @@ class EngineConfig:
             "(symbiont/serve/decode_kernel.py)",
         },
     )
+    layer_ops: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-layer-ops",
+            "help": "norms and rotary embedding through PyTorch's operations; by default, in "
+            "float32 on a CPU, the lean forward runs each residual add with its RMSNorm, and "
+            "the rotary embedding of queries and keys, in one pass each, through symbiont's "
+            "CPU kernels (built with the decode kernel; results within float32 rounding; "
+            "symbiont/serve/layer_ops.py)",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (

@@ -8,9 +8,10 @@ KV head): it reads each K and V row once for all the query heads that share it, 
 its accumulators in registers. One layer's decode attention ran 1.8-2.8x faster than
 SDPA on one core and 1.8-3.3x on two (`python benchmarks/decode_attention.py --layers 8`).
 
-The kernel has no PyTorch headers: it is one C++ file compiled in well under a second
-with `-O3 -march=native` into a shared library under `$SYMBIONT_HOME/kernels` (default
-`~/.cache/symbiont/kernels`), named by a hash of the source, the compiler, its flags and
+The kernel has no PyTorch headers: it is compiled in about a second with `-O3
+-march=native`, with the lean forward's norm and rotary kernels (`csrc/layer_ops.cpp`,
+layer_ops.py), into one shared library under `$SYMBIONT_HOME/kernels` (default
+`~/.cache/symbiont/kernels`), named by a hash of the sources, the compiler, its flags and
 this CPU, and called through `ctypes` (which releases the GIL). It runs on the threads
 of torch's own OpenMP runtime (the process has one `libgomp.so.1`, torch's), as many as
 `torch.get_num_threads()`.
@@ -41,7 +42,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+# one library: the decode attention, and the lean forward's norms and rotary (layer_ops.py)
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp")
+HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -55,6 +59,7 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
+        self.lib = lib  # also holds the kernels of layer_ops.py
         self._fn = lib.decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr, i64, i64, i64] * 3 + [ptr, i64, ptr] + [i64] * 5
@@ -136,14 +141,14 @@ def _built_kernel() -> DecodeKernel:
     ).stdout
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES + HEADERS),
         compiler.encode(),
         version.encode(),
         " ".join(flags).encode(),
     ):
         key.update(part)
     key.update(_cpu_fingerprint().encode())
-    name = f"decode_attention-{key.hexdigest()[:16]}.so"
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
     tried = []
     for folder in _folders():
         try:
@@ -156,7 +161,7 @@ def _built_kernel() -> DecodeKernel:
             return _load_or_build(folder, dir_fd, name, compiler, flags)
         finally:
             os.close(dir_fd)
-    raise RuntimeError(f"no folder of this user's own for the decode kernel ({'; '.join(tried)})")
+    raise RuntimeError(f"no folder of this user's own for the CPU kernels ({'; '.join(tried)})")
 
 
 def _folders() -> list[Path]:
@@ -203,7 +208,7 @@ def _load_or_build(
     except FileNotFoundError:
         pass
     except (OSError, AttributeError) as err:  # truncated, foreign, not ours: built anew
-        log.info("rebuilding the decode attention kernel: %s", err)
+        log.info("rebuilding the CPU kernels: %s", err)
     _compile(compiler, flags, folder, dir_fd, name)
     return _open_library(folder, dir_fd, name)
 
@@ -228,7 +233,7 @@ def _compile(compiler: str, flags: tuple[str, ...], folder: Path, dir_fd: int, n
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", partial],
+            [compiler, *flags, *map(str, SOURCES), "-o", partial],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -236,11 +241,12 @@ def _compile(compiler: str, flags: tuple[str, ...], folder: Path, dir_fd: int, n
         )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last}")
+            names = ", ".join(source.name for source in SOURCES)
+            raise RuntimeError(f"{compiler} could not build {names}: {last}")
         # inside the folder checked: a partial file not found there was written elsewhere
         os.chmod(Path(partial).name, 0o700, dir_fd=dir_fd)  # whatever the umask
         os.replace(Path(partial).name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        log.info("decode attention kernel built: %s", folder / name)
+        log.info("CPU kernels built: %s", folder / name)
     finally:
         if os.path.exists(partial):
             os.remove(partial)

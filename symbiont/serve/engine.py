@@ -82,6 +82,7 @@ class Engine:
             self.adapters,
             lean=self.config.lean_forward,
             decode_kernel=self.config.decode_kernel,
+            layer_ops=self.config.layer_ops,
         )
         self.scheduler = make_scheduler(
             self.config, self.kv_cache, self.max_model_len, self.adapters.virtual_tokens

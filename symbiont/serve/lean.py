@@ -17,6 +17,11 @@ results in float32 (`tests/test_lean_forward.py`):
 - rotary position embedding applied to queries and keys together (one concatenation
   along heads, then transformers' `q * cos + rotate_half(q) * sin` once).
 
+Given symbiont's CPU kernels (`ops`, layer_ops.py), float32 batches on a CPU also take
+each residual add with the RMSNorm after it, and the rotary embedding of queries and keys,
+in one pass each: the same results within float32 rounding (the norm's sum of squares
+runs in another order), and fewer operations per layer.
+
 `LeanForward.of` returns None for anything it does not know exactly (another
 architecture, a subclassed layer, QK-norm, attention sinks); the runner then calls the
 model as before.
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from symbiont.serve.attention import paged_attention
+from symbiont.serve.layer_ops import LayerOps
 
 # model_type -> (module of the modeling code, class-name prefix): the classes whose
 # forward this file reproduces (transformers 5.x)
@@ -57,12 +63,15 @@ class _Layer:
 class LeanForward:
     """`forward(ids | embeds, positions, keep_rows)` of the flattened batch -> logits."""
 
-    def __init__(self, model: nn.Module, layers: list[_Layer]):
+    def __init__(self, model: nn.Module, layers: list[_Layer], ops: LayerOps | None = None):
+        self.ops = ops
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
         self.norm = model.model.norm
         self.lm_head = model.lm_head
         self.layers = layers
+        # in the order they run, each after a residual add but the first
+        self.norms = [*(n for x in layers for n in (x.input_norm, x.post_norm)), self.norm]
         # modules whose forward the loop replaces: a hook on one needs transformers' forward
         self.skipped = [model, model.model, *model.model.layers, *(x.attn for x in layers)]
 
@@ -71,8 +80,9 @@ class LeanForward:
         return not any(_hooked(module) for module in self.skipped)
 
     @classmethod
-    def of(cls, model: nn.Module) -> LeanForward | None:
-        """The lean forward of `model`, or None where it would not be exactly the model's."""
+    def of(cls, model: nn.Module, ops: LayerOps | None = None) -> LeanForward | None:
+        """The lean forward of `model`, or None where it would not be exactly the model's;
+        with `ops`, float32 CPU batches take their norms and rotary through them."""
         known = KNOWN.get(getattr(model.config, "model_type", None))
         if known is None or getattr(model.config, "pretraining_tp", 1) != 1:
             return None
@@ -94,7 +104,7 @@ class LeanForward:
             if not _is_plain_layer(layer, classes):
                 return None
             layers.append(_layer_of(layer, model.config))
-        return cls(model, layers)
+        return cls(model, layers, ops)
 
     def __call__(
         self,
@@ -107,23 +117,31 @@ class LeanForward:
         # [1, n, hidden]; the modules see transformers' shapes, for hooks on them (deltas)
         h = self.embed(ids[None]) if embeds is None else embeds[None]
         cos, sin = self.rotary(h, position_ids=positions[None])  # [1, n, head_dim] each
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]: broadcast over heads
-        for layer in self.layers:
-            h = h + self._attention(layer, _rms_norm(layer.input_norm, h), cos, sin)
-            h = h + layer.mlp(_rms_norm(layer.post_norm, h))
-        h = _rms_norm(self.norm, h)
-        return self.lm_head(h[:, keep_rows])[0]
+        ops = self.ops
+        if ops is not None and not (LayerOps.fits(h, cos, sin) and cos.stride() == sin.stride()):
+            ops = None
+        norms = self.norms
+        h, x = _add_rms_norm(ops, norms[0], h, None)
+        for i, layer in enumerate(self.layers):
+            h, x = _add_rms_norm(ops, norms[2 * i + 1], h, self._attention(layer, x, cos, sin, ops))
+            h, x = _add_rms_norm(ops, norms[2 * i + 2], h, layer.mlp(x))
+        return self.lm_head(x[:, keep_rows])[0]
 
     @staticmethod
-    def _attention(layer: _Layer, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    def _attention(layer: _Layer, x: torch.Tensor, cos, sin, ops: LayerOps | None) -> torch.Tensor:
         """transformers' attention forward with the paged attention: [1, n, hidden] ->
-        [1, n, hidden]."""
+        [1, n, hidden]. cos, sin: [1, n, hd]."""
         attn, n, hd = layer.attn, x.shape[1], layer.head_dim
-        q = attn.q_proj(x).view(1, n, layer.heads, hd).transpose(1, 2)  # [1, heads, n, hd]
-        k = attn.k_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)
-        qk = torch.cat((q, k), dim=1)  # [1, heads + kv_heads, n, hd]
-        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = attn.q_proj(x), attn.k_proj(x)  # [1, n, heads * hd], [1, n, kv_heads * hd]
+        v = attn.v_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)  # [1, kv, n, hd]
+        if ops is not None and LayerOps.fits(q, k):
+            qk = ops.rotary(q, k, cos, sin, layer.heads, layer.kv_heads)
+        else:
+            q = q.view(1, n, layer.heads, hd).transpose(1, 2)  # [1, heads, n, hd]
+            k = k.view(1, n, layer.kv_heads, hd).transpose(1, 2)
+            qk = torch.cat((q, k), dim=1)  # [1, heads + kv_heads, n, hd]
+            cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, hd]: broadcast over heads
+            qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk[:, : layer.heads], qk[:, layer.heads :]
         out, _ = paged_attention(
             attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.window
@@ -165,6 +183,19 @@ def _layer_of(layer: nn.Module, config) -> _Layer:
         scaling=attn.scaling,
         window=window,
     )
+
+
+def _add_rms_norm(
+    ops: LayerOps | None, norm: nn.Module, h: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding a block's output to it (`out`; None: nothing to
+    add), and its norm: ([1, n, hidden], [1, n, hidden])."""
+    fused = ops is not None and not _hooked(norm) and LayerOps.fits(norm.weight)
+    if fused and (out is None or LayerOps.fits(out)):
+        return ops.rms_norm(h, norm.weight, norm.variance_epsilon, out)
+    if out is not None:
+        h = h + out
+    return h, _rms_norm(norm, h)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from symbiont.serve.attention import register_attention
 from symbiont.serve.context import AttnGroup, PoolRows, StepContext, use_context
 from symbiont.serve.decode_kernel import DecodeKernel
 from symbiont.serve.kv_cache import PagedKVCache
+from symbiont.serve.layer_ops import LayerOps
 from symbiont.serve.lean import LeanForward
 from symbiont.serve.scheduler import ScheduledSeq
 
@@ -56,14 +57,16 @@ class StepLogits:
     prompt: tuple[tuple[ScheduledSeq, torch.Tensor], ...]  # chunk -> [len(prompt_rows), vocab]
 
 
-def _decode_kernel(device: torch.device) -> DecodeKernel | None:
-    """Our decode attention kernel on a CPU (built on first use), else None: SDPA."""
+def _cpu_kernels(device: torch.device) -> DecodeKernel | None:
+    """symbiont's CPU kernels (built on first use), or None off a CPU or where they could
+    not be built: decode attention through SDPA, norms and rotary through PyTorch."""
     if device.type != "cpu":
         return None
     kernel = decode_kernel.load()
     if kernel is None:
         log.info(
-            "decode attention: PyTorch's SDPA, as symbiont's CPU kernel could not be built (%s)",
+            "decode attention, norms and rotary embedding: PyTorch's operations, as "
+            "symbiont's CPU kernels could not be built (%s)",
             decode_kernel.unavailable_reason(),
         )
     return kernel
@@ -78,16 +81,19 @@ class ModelRunner:
         *,
         lean: bool = True,
         decode_kernel: bool = True,
+        layer_ops: bool = True,
     ):
         self.model = model.eval()
         self.model.set_attn_implementation(register_attention())
-        # Llama-shaped decoders: the same submodules without transformers' wrappers
-        self.lean = LeanForward.of(model) if lean else None
         self.kv_cache = kv_cache
         self.adapters = adapters
         self.device = model.get_input_embeddings().weight.device
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.decode_kernel = _decode_kernel(self.device) if decode_kernel else None
+        kernels = _cpu_kernels(self.device) if decode_kernel or layer_ops else None
+        self.decode_kernel = kernels if decode_kernel else None
+        self.layer_ops = LayerOps(kernels.lib) if layer_ops and kernels is not None else None
+        # Llama-shaped decoders: the same submodules without transformers' wrappers
+        self.lean = LeanForward.of(model, self.layer_ops) if lean else None
 
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """-> the logits of the sampling rows and of the prompt-scoring rows."""
