@@ -42,6 +42,12 @@ engine's lean forward (symbiont/serve/lean.py), taken in turn:
 decode attention kernel (symbiont/serve/decode_kernel.py):
 
     python benchmarks/profile_decode.py --model default --batch 16 --prompt-len 512 --kernel-ab 6
+
+`--layer-ops-ab ROUNDS` likewise times decode steps, then the prefill of one new prompt of
+`--prompt-len` tokens per setting and round, with PyTorch's norms and rotary embedding and
+with symbiont's layer kernels (symbiont/serve/layer_ops.py):
+
+    python benchmarks/profile_decode.py --model default --batch 16 --steps 20 --layer-ops-ab 8
 """
 
 from __future__ import annotations
@@ -378,14 +384,72 @@ def kernel_ab(args, engine) -> list[tuple[str, float]]:
         runner.decode_kernel = kernel
 
 
-def print_ab(args, model: str, engine, rows, what: str, rounds: int) -> int:
+def layer_ops_ab(args, engine) -> list[tuple[str, float]]:
+    """PyTorch's norms and rotary against symbiont's kernels (symbiont/serve/layer_ops.py):
+    decode steps, then the prefill of one more prompt of `--prompt-len` tokens per arm and
+    round (each prompt new, so no step reuses another's KV)."""
+    lean = engine.runner.lean
+    if lean is None or lean.ops is None:
+        from symbiont.serve import decode_kernel
+
+        why = decode_kernel.unavailable_reason() or "no lean forward for this architecture"
+        raise SystemExit(f"{args.model}: no layer kernels here ({why})")
+    ops = lean.ops
+    arms = (
+        ("PyTorch's operations", lambda: setattr(lean, "ops", None)),
+        ("layer kernels", lambda: setattr(lean, "ops", ops)),
+    )
+    try:
+        rows = [
+            (f"{name}, decode step", ms)
+            for name, ms in alternate(args, engine, args.layer_ops_ab, arms)
+        ]
+        for request in list(engine.requests):
+            engine.abort(request)
+        prefill_s = defaultdict(float)
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        for round_ in range(args.layer_ops_ab):
+            for name, apply in arms if round_ % 2 == 0 else arms[::-1]:
+                apply()
+                prompt = torch.randint(
+                    10, engine.runner.vocab_size, (args.prompt_len,), generator=gen
+                )
+                prefill_s[name] += _one_prefill(engine, prompt.tolist(), f"prefill-{round_}-{name}")
+        rows += [
+            (
+                f"{name}, prefill of {args.prompt_len} tokens",
+                prefill_s[name] * 1000 / args.layer_ops_ab,
+            )
+            for name, _ in arms
+        ]
+        return rows
+    finally:
+        lean.ops = ops
+
+
+def _one_prefill(engine, prompt: list[int], request_id: str) -> float:
+    """Seconds from a lone request's admission to its first token (max_tokens 1)."""
+    from symbiont.decoding import SamplingParams
+    from symbiont.serve.sequence import Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request(Request(request_id, prompt, None, params))
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def print_ab(args, model: str, engine, rows, what: str, rounds: int, per: int | None = None) -> int:
     print(
         f"model {model}: {args.batch} sequences decoding, prompts {args.prompt_len} tokens, "
         f"{args.threads} thread(s), {rounds} rounds of {args.steps} steps per setting\n"
     )
-    print(f"| {what} | ms/step | {rows[0][0]} / this |\n|---|---:|---:|")
-    for name, step in rows:
-        print(f"| {name} | {step:.2f} | {rows[0][1] / step:.3f}x |")
+    unit, ratio = ("ms/step", rows[0][0]) if per is None else ("ms", "the pair's first")
+    print(f"| {what} | {unit} | {ratio} / this |\n|---|---:|---:|")
+    arms = len(rows) if per is None else per
+    for i, (name, step) in enumerate(rows):  # each group of `arms` rows against its first
+        print(f"| {name} | {step:.2f} | {rows[i - i % arms][1] / step:.3f}x |")
     with contextlib.suppress(Exception):
         engine.close()
     return 0
@@ -442,12 +506,21 @@ def main(argv=None) -> int:
         metavar="ROUNDS",
         help="instead: time decode steps with PyTorch's SDPA and symbiont's decode kernel",
     )
+    p.add_argument(
+        "--layer-ops-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: time decode steps, then one prompt's prefill, with PyTorch's norms "
+        "and rotary and with symbiont's layer kernels",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
     if args.fusion_ab:
         args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
-    if args.lean_ab or args.kernel_ab:
-        args.max_tokens = (args.steps + 1) * (args.lean_ab + args.kernel_ab) * 2 + 8
+    if args.lean_ab or args.kernel_ab or args.layer_ops_ab:
+        rounds = args.lean_ab + args.kernel_ab + args.layer_ops_ab
+        args.max_tokens = (args.steps + 1) * rounds * 2 + 8
     torch.set_num_threads(args.threads)
 
     import symbiont
@@ -472,6 +545,9 @@ def main(argv=None) -> int:
     if args.kernel_ab:
         rows = kernel_ab(args, engine)
         return print_ab(args, model, engine, rows, "decode attention", args.kernel_ab)
+    if args.layer_ops_ab:
+        rows = layer_ops_ab(args, engine)
+        return print_ab(args, model, engine, rows, "norms and rotary", args.layer_ops_ab, per=2)
     phases, sequences, _ = engine_phases(args, engine)
     split = forward_split(args, engine)
     outside, inside, http_steps = http_cost(args, model)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +212,22 @@ def test_no_layer_ops_flag_and_fallback(model, monkeypatch, tmp_path, caplog):
     for engine in (off, fallback):
         for prompt, got in zip(batch, engine.generate(batch, [None] * 3, GREEDY), strict=True):
             assert got == reference.generate(prompt, None, GREEDY.max_tokens)
+
+
+def test_the_benchmark_runs(ops, tmp_path_factory):
+    """The documented `profile_decode.py --layer-ops-ab` at the smallest sizes: both arms,
+    decode steps and a prefill."""
+    arch, extra = MODELS["llama_hd16"]
+    spec = dataclasses.replace(ARCHS[arch], config={**ARCHS[arch].config, **extra})
+    base = build_checkpoint(spec, tmp_path_factory.mktemp("bench"))
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [
+            sys.executable, str(repo / "benchmarks" / "profile_decode.py"), "--model", str(base),
+            "--batch", "2", "--prompt-len", "8", "--steps", "2", "--layer-ops-ab", "2",
+        ],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)},
+        timeout=300, check=True,
+    ).stdout  # fmt: skip
+    for arm in ("PyTorch's operations", "layer kernels"):
+        assert f"| {arm}, decode step |" in out and f"| {arm}, prefill of 8 tokens |" in out
