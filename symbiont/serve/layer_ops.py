@@ -42,10 +42,10 @@ class LayerOps:
     @staticmethod
     def fits(*tensors: torch.Tensor) -> bool:
         """float32 on a CPU with the last dimension contiguous, every one of them."""
-        return all(
-            t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
-            for t in tensors
-        )
+        for t in tensors:  # a loop, not all(...): this runs a few times per layer and step
+            if t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+                return False
+        return True
 
     def rms_norm(
         self,
