@@ -242,7 +242,10 @@ def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
     monkeypatch.setenv("CXX", str(broken))
     assert decode_kernel.load() is None
     reason = decode_kernel.unavailable_reason()
-    assert "could not build decode_attention.cpp, layer_ops.cpp: broken-cxx: error: no such flag" in reason
+    assert (
+        "could not build decode_attention.cpp, layer_ops.cpp: broken-cxx: error: no such flag"
+        in reason
+    )
     assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone
 
 

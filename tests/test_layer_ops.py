@@ -91,11 +91,11 @@ def rotary_case(n: int, heads: int, kv_heads: int, hd: int, seed: int):
     return q, k, emb.cos()[None], emb.sin()[None]
 
 
-@pytest.mark.parametrize("hd", [8, 12, 16, 64, 128])
+@pytest.mark.parametrize("hd", [8, 12, 16, 24, 64, 128])
 @pytest.mark.parametrize("n, heads, kv_heads", [(1, 4, 2), (7, 3, 3), (300, 12, 4)])
 def test_rotary_is_bitwise_transformers(ops, n, heads, kv_heads, hd, monkeypatch):
-    """Head dims whose half is whole vectors and one whose half is not (12); 300 tokens
-    of 16 heads of 128 are split across threads."""
+    """Head dims whose half is whole vectors, less than one (12) and one with a remainder
+    (24); 300 tokens of 16 heads of 128 are split across threads."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     q, k, cos, sin = rotary_case(n, heads, kv_heads, hd, seed=hd + n)
     got = ops.rotary(q, k, cos, sin, heads, kv_heads)  # [1, heads + kv_heads, n, hd]
@@ -113,6 +113,38 @@ def test_fits_only_float32_on_a_cpu_with_contiguous_rows():
     assert not LayerOps.fits(x, x.double())
     assert not LayerOps.fits(x.transpose(1, 2))
     assert not LayerOps.fits(x.to(torch.bfloat16))
+
+
+def test_shapes_the_kernels_do_not_take_are_left_to_pytorch():
+    """Partial rotary (cos narrower than a head), an odd head dim, q or k not whole heads,
+    a norm weight of another width: the lean forward then runs PyTorch's operations,
+    which raise where transformers' would."""
+    q, k, cos, sin = rotary_case(5, 4, 2, 16, seed=1)
+    assert LayerOps.rotary_fits(q, k, cos, sin, 4, 2, 16)
+    assert not LayerOps.rotary_fits(q, k, cos[..., :8], sin[..., :8], 4, 2, 16)
+    assert not LayerOps.rotary_fits(q, k, cos, sin, 4, 2, 15)
+    assert not LayerOps.rotary_fits(q[..., :60], k, cos, sin, 4, 2, 16)
+    assert not LayerOps.rotary_fits(
+        q, k, cos, sin.clone().transpose(1, 2).contiguous().transpose(1, 2), 4, 2, 16
+    )
+    x = torch.zeros(1, 3, 8)
+    assert LayerOps.norm_fits(x, torch.ones(8))
+    assert not LayerOps.norm_fits(x, torch.ones(9))
+    assert not LayerOps.norm_fits(x, torch.ones(2, 4))
+
+
+def test_outputs_are_float32_whatever_torchs_default_dtype(ops):
+    x, weight = rows_of(2, 16, 6), torch.ones(16)
+    q, k, cos, sin = rotary_case(3, 2, 1, 8, seed=2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, out = ops.rms_norm(x, weight, 1e-6)
+        rotated = ops.rotary(q, k, cos, sin, 2, 1)
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == rotated.dtype == torch.float32
+    torch.testing.assert_close(out, F.rms_norm(x, (16,), weight, 1e-6), atol=NORM_ATOL, rtol=0)
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)

@@ -103,6 +103,26 @@ def test_every_step_equals_transformers_forward_bitwise(base, adapters, one_thre
         assert torch.equal(a, b), f"iteration {step}: max diff {(a - b).abs().max().item()}"
 
 
+def test_with_the_layer_kernels_every_step_is_within_rounding(base, adapters, one_thread):
+    """The same batch with symbiont's norm and rotary kernels (tests/test_layer_ops.py):
+    every adapter kind and virtual tokens, chunked prefill; equal tokens, and logits
+    within the engine's float32 tolerance of transformers' forward."""
+    names = [None, "lora", "ia3", "dora", "prompt", "prefix", None, "lora"]
+    batch = prompts(len(names), seed=3, low=3, high=17)
+    kernels = dataclasses.replace(CHUNKED, layer_ops=True)
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), kernels)
+    if engine.runner.layer_ops is None:
+        pytest.skip("symbiont's CPU kernels are not built here")
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    got, got_logits = recorded_run(engine, batch, names)
+    want, want_logits = recorded_run(engine_for(base, adapters, lean=False), batch, names)
+    assert got == want
+    assert len(got_logits) == len(want_logits) > len(batch)
+    for a, b in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3", "phi3"])
 def test_other_architectures_keep_transformers_forward(checkpoints, arch):
     """Gemma scales embeddings and norms differently, Qwen3 normalises q and k, Phi-3

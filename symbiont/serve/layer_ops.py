@@ -40,6 +40,27 @@ class LayerOps:
             fn.restype = None
 
     @staticmethod
+    def norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `rms_norm` takes these (float32 CPU rows, one weight per column)."""
+        return LayerOps.fits(x, weight) and weight.dim() == 1 and weight.numel() == x.shape[-1]
+
+    @staticmethod
+    def rotary_fits(q, k, cos, sin, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether `rotary` takes these: q and k rows of whole heads, cos and sin one
+        `head_dim` row per token with the same strides, an even head dim. Anything else
+        (partial rotary, odd head dims) is left to PyTorch, which raises as transformers
+        does where the shapes do not broadcast."""
+        return (
+            LayerOps.fits(q, k, cos, sin)
+            and head_dim % 2 == 0
+            and cos.shape == sin.shape == (1, q.shape[1], head_dim)
+            and cos.stride() == sin.stride()
+            and q.shape[-1] == heads * head_dim
+            and k.shape[-1] == kv_heads * head_dim
+            and k.shape[1] == q.shape[1]
+        )
+
+    @staticmethod
     def fits(*tensors: torch.Tensor) -> bool:
         """float32 on a CPU with the last dimension contiguous, every one of them."""
         for t in tensors:  # a loop, not all(...): this runs a few times per layer and step
@@ -56,8 +77,8 @@ class LayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (x + residual, or x itself without one; its RMSNorm), each [1, n, dim]."""
         _, n, dim = x.shape
-        out = torch.empty(1, n, dim)
-        h = x if residual is None else torch.empty(1, n, dim)
+        out = x.new_empty(1, n, dim)  # float32 on the CPU, whatever torch's defaults
+        h = x if residual is None else x.new_empty(1, n, dim)
         res = residual if residual is not None else x  # a pointer the kernel ignores
         self._rms_norm(
             x.data_ptr(), x.stride(1),
@@ -79,7 +100,7 @@ class LayerOps:
     ) -> torch.Tensor:  # [1, heads + kv_heads, n, hd] contiguous
         """transformers' `x * cos + rotate_half(x) * sin` of the query and key heads."""
         _, n, hd = cos.shape
-        out = torch.empty(1, heads + kv_heads, n, hd)
+        out = q.new_empty(1, heads + kv_heads, n, hd)
         self._rotary(
             q.data_ptr(), q.stride(1), hd, heads,
             k.data_ptr(), k.stride(1), hd, kv_heads,

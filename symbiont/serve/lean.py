@@ -117,9 +117,7 @@ class LeanForward:
         # [1, n, hidden]; the modules see transformers' shapes, for hooks on them (deltas)
         h = self.embed(ids[None]) if embeds is None else embeds[None]
         cos, sin = self.rotary(h, position_ids=positions[None])  # [1, n, head_dim] each
-        ops = self.ops
-        if ops is not None and not (LayerOps.fits(h, cos, sin) and cos.stride() == sin.stride()):
-            ops = None
+        ops = self.ops if self.ops is not None and LayerOps.fits(h) else None
         norms = self.norms
         h, x = _add_rms_norm(ops, norms[0], h, None)
         for i, layer in enumerate(self.layers):
@@ -134,7 +132,9 @@ class LeanForward:
         attn, n, hd = layer.attn, x.shape[1], layer.head_dim
         q, k = attn.q_proj(x), attn.k_proj(x)  # [1, n, heads * hd], [1, n, kv_heads * hd]
         v = attn.v_proj(x).view(1, n, layer.kv_heads, hd).transpose(1, 2)  # [1, kv, n, hd]
-        if ops is not None and LayerOps.fits(q, k):
+        if ops is not None and LayerOps.rotary_fits(
+            q, k, cos, sin, layer.heads, layer.kv_heads, hd
+        ):
             qk = ops.rotary(q, k, cos, sin, layer.heads, layer.kv_heads)
         else:
             q = q.view(1, n, layer.heads, hd).transpose(1, 2)  # [1, heads, n, hd]
@@ -190,8 +190,8 @@ def _add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream after adding a block's output to it (`out`; None: nothing to
     add), and its norm: ([1, n, hidden], [1, n, hidden])."""
-    fused = ops is not None and not _hooked(norm) and LayerOps.fits(norm.weight)
-    if fused and (out is None or LayerOps.fits(out)):
+    fused = ops is not None and not _hooked(norm) and LayerOps.norm_fits(h, norm.weight)
+    if fused and (out is None or (LayerOps.fits(out) and out.shape == h.shape)):
         return ops.rms_norm(h, norm.weight, norm.variance_epsilon, out)
     if out is not None:
         h = h + out

@@ -81,9 +81,9 @@ extern "C" void rms_norm(
 }
 
 // One token's rotary embedding of one head: y = x * cos + rotate_half(x) * sin, where
-// rotate_half(x) = [-x[half:], x[:half]]. Not inlined into its caller, so that the
-// attribute holds.
-static NO_FMA_CONTRACTION_FN void rotate_row(
+// rotate_half(x) = [-x[half:], x[:half]]. Never inlined: inside its caller the caller's
+// contraction setting would apply.
+static NO_FMA_CONTRACTION_FN __attribute__((noinline)) void rotate_row(
     const float* x, const float* c, const float* s, float* y, int64_t half)
 {
     NO_FMA_CONTRACTION
