@@ -172,6 +172,26 @@ def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_p
     assert lines[-1] == "data: [DONE]", lines[-3:]
 
 
+def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path):
+    """A second Ctrl-C makes uvicorn skip the app's shutdown; asyncio then cancelled it
+    at exit and uvicorn logged that as "Exception in 'lifespan' protocol" with a
+    traceback. The server now runs the shutdown itself and exits quietly."""
+    log = tmp_path / "serve.log"
+    with serve(model_dir, "pass", log) as (process, url):
+        response = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)
+        assert response.status_code == 200, response.text
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve ran on 10 s after two SIGINTs:\n{log.read_text(errors='replace')}")
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "Exception in 'lifespan'" not in text, text
+    assert code in (0, 130), text  # 130: Python's SIGINT handler raised KeyboardInterrupt
+
+
 def test_serve_exits_non_zero_when_the_engine_cannot_go_on(model_dir, tmp_path):
     log = tmp_path / "serve.log"
     with serve(model_dir, FAILING, log) as (process, url):

@@ -155,6 +155,11 @@ class _Server(uvicorn.Server):
         ending = loop.call_later(max(SHUTDOWN_GRACE_S - 1.0, 0.0), self._end_requests)
         try:
             await super().shutdown(sockets)
+            if self.force_exit and self.lifespan is not None:
+                # A second Ctrl-C makes uvicorn skip the app's shutdown (stopping jobs);
+                # asyncio would then cancel it at exit, which it logs as a traceback. It
+                # ran on cancellation anyway: run it here, quickly, without the traceback.
+                await self.lifespan.shutdown()
         finally:
             ending.cancel()
 
