@@ -43,6 +43,11 @@ decode attention kernel (symbiont/serve/decode_kernel.py):
 
     python benchmarks/profile_decode.py --model default --batch 16 --prompt-len 512 --kernel-ab 6
 
+`--direct-ab ROUNDS` likewise times decode steps with the lean forward calling its
+projection modules and calling the executor directly (symbiont/serve/lean.py):
+
+    python benchmarks/profile_decode.py --model default --batch 16 --steps 20 --direct-ab 16
+
 `--layer-ops-ab ROUNDS` likewise times decode steps, then the prefill of one new prompt of
 `--prompt-len` tokens per setting and round, with PyTorch's norms and rotary embedding and
 with symbiont's layer kernels (symbiont/serve/layer_ops.py):
@@ -384,6 +389,22 @@ def kernel_ab(args, engine) -> list[tuple[str, float]]:
         runner.decode_kernel = kernel
 
 
+def direct_ab(args, engine) -> list[tuple[str, float]]:
+    """The lean forward calling its projection modules, against calling the executor
+    directly where they are bare VirtLayers (symbiont/serve/lean.py, `_project`)."""
+    lean = engine.runner.lean
+    if lean is None:
+        raise SystemExit(f"{args.model}: no lean forward for this architecture")
+    arms = (
+        ("projection modules", lambda: setattr(lean, "direct", False)),
+        ("executor called directly", lambda: setattr(lean, "direct", True)),
+    )
+    try:
+        return alternate(args, engine, args.direct_ab, arms)
+    finally:
+        lean.direct = True
+
+
 def layer_ops_ab(args, engine) -> list[tuple[str, float]]:
     """PyTorch's norms and rotary against symbiont's kernels (symbiont/serve/layer_ops.py):
     decode steps, then the prefill of one more prompt of `--prompt-len` tokens per arm and
@@ -514,12 +535,20 @@ def main(argv=None) -> int:
         help="instead: time decode steps, then one prompt's prefill, with PyTorch's norms "
         "and rotary and with symbiont's layer kernels",
     )
+    p.add_argument(
+        "--direct-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: time decode steps with the lean forward calling its projection "
+        "modules and calling the executor directly",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
     if args.fusion_ab:
         args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
-    if args.lean_ab or args.kernel_ab or args.layer_ops_ab:
-        rounds = args.lean_ab + args.kernel_ab + args.layer_ops_ab
+    if args.lean_ab or args.kernel_ab or args.layer_ops_ab or args.direct_ab:
+        rounds = args.lean_ab + args.kernel_ab + args.layer_ops_ab + args.direct_ab
         args.max_tokens = (args.steps + 1) * rounds * 2 + 8
     torch.set_num_threads(args.threads)
 
@@ -545,6 +574,9 @@ def main(argv=None) -> int:
     if args.kernel_ab:
         rows = kernel_ab(args, engine)
         return print_ab(args, model, engine, rows, "decode attention", args.kernel_ab)
+    if args.direct_ab:
+        rows = direct_ab(args, engine)
+        return print_ab(args, model, engine, rows, "projections", args.direct_ab)
     if args.layer_ops_ab:
         rows = layer_ops_ab(args, engine)
         return print_ab(args, model, engine, rows, "norms and rotary", args.layer_ops_ab, per=2)

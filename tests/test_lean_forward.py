@@ -154,3 +154,46 @@ def test_a_hook_on_a_skipped_module_gets_transformers_forward(checkpoints):
     assert not engine.runner.lean.applies()
     engine.generate(batch, [None, None], GREEDY)
     assert seen, "the decoder layer's hook never ran"
+
+
+def test_base_only_steps_call_the_executor_directly_and_equal_the_modules(base, one_thread):
+    """Bare VirtLayers (no adapter, no hook) are skipped for one executor call per group
+    of siblings: every step's logits bitwise those of the modules' calls, and no VirtLayer
+    forward runs."""
+    from symbiont.client.virt import VirtLayer
+
+    calls = []
+    forward = VirtLayer.call_executor  # what every VirtLayer's forward calls
+
+    def counted(self, op, x):
+        calls.append(self.spec.id)
+        return forward(self, op, x)
+
+    batch = prompts(5, seed=8, low=3, high=20)
+    runs = {}
+    for direct in (True, False):
+        engine = engine_for(base, {}, lean=True)
+        engine.runner.lean.direct = direct
+        calls.clear()
+        VirtLayer.call_executor = counted
+        try:
+            runs[direct] = recorded_run(engine, batch, [None] * 5)
+        finally:
+            VirtLayer.call_executor = forward
+        runs[direct] += (len(calls),)
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert torch.equal(a, b)
+    assert runs[True][2] == 0 and runs[False][2] > 0
+
+
+def test_a_hook_on_a_projection_runs_with_direct_calls(base):
+    """A hooked VirtLayer (how a served delta changes a layer) is called as a module."""
+    engine = engine_for(base, {}, lean=True)
+    attn = engine.model.model.layers[0].self_attn
+    seen = []
+    attn.k_proj.register_forward_hook(lambda *a: seen.append("k"))
+    engine.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *a: seen.append("d"))
+    assert engine.runner.lean.applies() and engine.runner.lean.direct
+    engine.generate(prompts(2, seed=9), [None, None], GREEDY)
+    assert "k" in seen and "d" in seen
