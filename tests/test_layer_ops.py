@@ -247,8 +247,8 @@ def test_no_layer_ops_flag_and_fallback(model, monkeypatch, tmp_path, caplog):
 
 
 def test_the_benchmark_runs(ops, tmp_path_factory):
-    """The documented `profile_decode.py --layer-ops-ab` at the smallest sizes: both arms,
-    decode steps and a prefill."""
+    """The documented `profile_decode.py --layer-ops-ab` (both arms, decode steps and a
+    prefill) and `--direct-ab` (symbiont/serve/lean.py), at the smallest sizes."""
     arch, extra = MODELS["llama_hd16"]
     spec = dataclasses.replace(ARCHS[arch], config={**ARCHS[arch].config, **extra})
     base = build_checkpoint(spec, tmp_path_factory.mktemp("bench"))
@@ -263,3 +263,12 @@ def test_the_benchmark_runs(ops, tmp_path_factory):
     ).stdout  # fmt: skip
     for arm in ("PyTorch's operations", "layer kernels"):
         assert f"| {arm}, decode step |" in out and f"| {arm}, prefill of 8 tokens |" in out
+    out = subprocess.run(
+        [
+            sys.executable, str(repo / "benchmarks" / "profile_decode.py"), "--model", str(base),
+            "--batch", "2", "--prompt-len", "8", "--steps", "2", "--direct-ab", "2",
+        ],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)},
+        timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "| projection modules |" in out and "| executor called directly |" in out
