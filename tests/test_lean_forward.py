@@ -156,11 +156,25 @@ def test_a_hook_on_a_skipped_module_gets_transformers_forward(checkpoints):
     assert seen, "the decoder layer's hook never ran"
 
 
-def test_base_only_steps_call_the_executor_directly_and_equal_the_modules(base, one_thread):
+@pytest.mark.parametrize("executor", ["plain", "prepacked", "gated"])
+def test_base_only_steps_call_the_executor_directly_and_equal_the_modules(
+    base, executor, one_thread
+):
     """Bare VirtLayers (no adapter, no hook) are skipped for one executor call per group
     of siblings: every step's logits bitwise those of the modules' calls, and no VirtLayer
-    forward runs."""
+    forward runs. Executors as `symbiont serve` builds them: in-process, packed for
+    oneDNN, and behind the co-serving gate of fine-tuning jobs (jobs/priority.py)."""
     from symbiont.client.virt import VirtLayer
+    from symbiont.jobs.priority import PriorityGate, give_inference_priority
+    from symbiont.tenant import open_executor
+
+    def engine_of_kind() -> Engine:
+        if executor == "plain":
+            return engine_for(base, {}, lean=True)
+        engine = Engine(load_client(base, open_executor(base, prepack=True)), CHUNKED)
+        if executor == "gated":
+            give_inference_priority(engine.model, PriorityGate())
+        return engine
 
     calls = []
     forward = VirtLayer.call_executor  # what every VirtLayer's forward calls
@@ -172,7 +186,7 @@ def test_base_only_steps_call_the_executor_directly_and_equal_the_modules(base, 
     batch = prompts(5, seed=8, low=3, high=20)
     runs = {}
     for direct in (True, False):
-        engine = engine_for(base, {}, lean=True)
+        engine = engine_of_kind()
         engine.runner.lean.direct = direct
         calls.clear()
         VirtLayer.call_executor = counted

@@ -19,8 +19,9 @@ results in float32 (`tests/test_lean_forward.py`):
 
 Projections that are bare VirtLayers of one executor (no adapter or delta around them, no
 hooks) are not called as modules: the loop calls their executor directly, one
-`forward_fused` for q/k/v and one for gate/up, exactly the calls the VirtLayers would make,
-without their module and fusion Python (`_project`; 1.05-1.09x faster decode steps of a
+`forward_fused` for q/k/v and one for gate/up, the calls the VirtLayers make once their
+fusion has learned the order (the first step's calls are per layer there), without their
+module and fusion Python (`_project`; 1.05-1.09x faster decode steps of a
 4.0M-parameter Llama, BENCHMARKS.md, session 15).
 
 Given symbiont's CPU kernels (`ops`, layer_ops.py), float32 batches on a CPU also take
@@ -167,11 +168,12 @@ def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> l
     """Each module's output on x ([1, n, in] -> [1, n, out] each), called in order.
 
     Where they are bare VirtLayers of one executor (no adapter or delta around them, no
-    hooks), the executor is called directly: one `forward_fused` for siblings (q/k/v),
-    what the VirtLayers' own fused call would do, without their module and fusion Python,
-    which in a small model's decode step costs more than the product. Same calls, same
-    results."""
-    if direct:
+    hooks) and no gradient is recorded (the engine's forward), the executor is called
+    directly: one `forward_fused` for siblings (q/k/v), the VirtLayers' own call once their
+    fusion has learned the order, without their module and fusion Python, which in a small
+    model's decode step costs more than the product. The same results, bitwise, on the
+    CPU (tests/test_lean_forward.py)."""
+    if direct and not torch.is_grad_enabled():
         first = modules[0]
         if isinstance(first, VirtLayer) and x.dtype == first.wire_dtype:
             executor = first._executor
