@@ -2,8 +2,9 @@
 
 For Llama, Mistral and Qwen2 causal LMs the engine runs its flattened batch through this
 loop instead of `model(...)`. It calls the same submodules in the same order as
-transformers' code (every projection, so VirtLayers, fused executor calls, adapter and
-delta wrappers all run unchanged) and `paged_attention` directly; what it leaves out is
+transformers' code (every projection an adapter, a delta or a hook is on runs as its
+module; bare VirtLayers as their executor calls, below) and `paged_attention` directly;
+what it leaves out is
 the Python around them: the output-capturing and kwargs decorators, the
 `GradientCheckpointingLayer` wrapper, per-layer module dispatch, the causal-mask builder
 (the paged attention builds its own) and the output dataclasses. On a CPU decode step of
