@@ -55,13 +55,25 @@ class RequestStream:
                 return
 
 
+class RelayedStream:
+    """Outputs of one request that another process shows (`symbiont serve --api-process`):
+    the engine thread writes them to `sink` (a `CoreRelay`) without waking the event loop."""
+
+    def __init__(self, request_id: str, sink):
+        self.request_id = request_id
+        self.sink = sink
+
+    def put_threadsafe(self, output: RequestOutput) -> None:
+        self.sink.send([output])
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_failure: Callable[[str], None] | None = None):
         self.engine = engine
         self.error: str | None = None  # why the engine thread failed, if it did
         self._on_failure = on_failure
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream | RelayedStream] = {}
         self._stopped = threading.Event()
         self._closed = False  # no command is accepted any more (guarded by _lock)
         self._lock = threading.Lock()
@@ -84,16 +96,25 @@ class AsyncEngine:
         self._commands.put((lambda: None, Future()))
 
     @property
+    def relayed(self) -> int:
+        """Requests in flight whose outputs another process shows (`--api-process`)."""
+        return sum(isinstance(s, RelayedStream) for s in list(self._streams.values()))
+
+    @property
     def alive(self) -> bool:
         """Whether requests can still be served (the thread runs and has not failed)."""
         return self.error is None and not self._stopped.is_set() and self._thread.is_alive()
 
     # -- called from the event loop ---------------------------------------------------
 
-    async def submit(self, request: Request) -> RequestStream:
+    async def submit(self, request: Request, sink=None) -> RequestStream | RelayedStream:
         """Queue a request; raises what `Engine.add_request` raises (bad input, unknown
-        adapter, full queue)."""
-        stream = RequestStream(request.request_id, asyncio.get_running_loop())
+        adapter, full queue). With `sink` (a `CoreRelay`) its outputs go there instead of
+        to the returned stream's queue."""
+        if sink is None:
+            stream = RequestStream(request.request_id, asyncio.get_running_loop())
+        else:
+            stream = RelayedStream(request.request_id, sink)
 
         def add() -> None:
             self.engine.add_request(request)
@@ -205,17 +226,24 @@ class AsyncEngine:
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """Hand an iteration's outputs to their streams with one wake-up per event loop,
         not one per request: each wake-up writes the loop's self-pipe and takes the GIL
-        from this thread, a cost that grew with the batch (32 per decode step)."""
+        from this thread, a cost that grew with the batch (32 per decode step). Relayed
+        requests' outputs go out as one frame per relay, written from this thread."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        by_sink: dict[object, list[RequestOutput]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, output))
+            if isinstance(stream, RelayedStream):
+                by_sink.setdefault(stream.sink, []).append(output)
+            else:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
             _hand_over(loop, items)
+        for sink, relayed in by_sink.items():
+            sink.send(relayed)
 
 
 def _hand_over(

@@ -396,6 +396,14 @@ class ServerConfig:
             "Threads). Never with --jobs-dir or --executor",
         },
     )
+    api_process: bool = field(
+        default=False,
+        metadata={
+            "help": "answer HTTP in a second process, which streams the engine's outputs to "
+            "clients while the engine's process only computes: shorter decode steps under "
+            "many streams, most with small models (docs/serving.md)"
+        },
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

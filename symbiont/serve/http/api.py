@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,6 +44,7 @@ from symbiont.serve.http.protocol import (
     now,
     usage,
 )
+from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, valid_relay_id
 from symbiont.serve.scheduler import QueueFull
 from symbiont.serve.sequence import Request as EngineRequest
 from symbiont.serve.sequence import RequestOutput
@@ -80,6 +82,7 @@ class ServerState:
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None
+    relay: object | None = None  # CoreRelay with --api-process: outputs go to that process
     # adapter name -> the tenant whose POST /v1/adapters loaded it: with --tenants only
     # that tenant may unload it (what the operator loaded at start serves every tenant)
     loaded_by: dict[str, str] = field(default_factory=dict)
@@ -175,7 +178,23 @@ def build_app(state: ServerState) -> FastAPI:
         return await _off_loop(_detokenize, state, body)
 
     mount_jobs(app, state)  # files, fine-tuning jobs, tenants (outermost middleware)
+    warm_imports_at_startup(app)
     return app
+
+
+def warm_imports_at_startup(app) -> None:
+    """anyio imports its asyncio backend at the first streamed response: 0.1-0.3 s holding
+    the GIL, during which the engine thread waited (the first requests' TTFT)."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(application):
+        async with anyio.create_task_group():
+            pass
+        async with inner(application) as maybe_state:
+            yield maybe_state
+
+    app.router.lifespan_context = lifespan
 
 
 # Tokenizing and rendering chat templates take seconds for a multi-megabyte prompt: on
@@ -220,8 +239,11 @@ async def _serve(
     """`texts`: the prompts as text, shown before the completion with `echo`."""
     engine = state.ready()
     adapter = _adapter_of(state, body.model)
+    relay_id = http.headers.get(RELAY_HEADER) if state.relay is not None else None
+    if relay_id is not None and not valid_relay_id(relay_id):
+        raise APIError(400, f"malformed {RELAY_HEADER} header", "invalid_request_error")
     prefix = "chatcmpl" if chat else "cmpl"
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = relay_id or f"{prefix}-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(
             f"{request_id}-{i}", prompt, adapter, _sampling(engine, body, prompt, chat, adapter)
@@ -232,13 +254,22 @@ async def _serve(
     async with _adapter_in_memory(state, adapter) as counted:
         for request in requests:
             request.adapter_counted = counted
-        streams = await _submit_all(engine, requests)
+        streams = await _submit_all(engine, requests, state.relay if relay_id else None)
     view = _View(request_id, body.model, chat, body.n, now(), render)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    if relay_id is not None:  # the API process shows the outputs (front.py)
+        spec = view.spec([r.request_id for r in requests], body.stream, include_usage)
+        return JSONResponse(spec, headers={SPEC_HEADER: "1"})
+    count = _counter(state.metrics)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(engine, streams, view, include_usage, state.metrics)
+        events = _sse(engine, streams, view, include_usage, count)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(engine, streams, view, http, state.metrics)
+    return await _complete(engine, streams, view, http, count)
+
+
+def _counter(metrics: ServeMetrics):
+    """How an HTTP request's outcome is counted ("ok", "error", "disconnected")."""
+    return lambda outcome: metrics.requests.labels(outcome).inc()
 
 
 @contextlib.asynccontextmanager
@@ -261,11 +292,13 @@ async def _adapter_in_memory(state: ServerState, adapter: str | None):
         cache.release(adapter)
 
 
-async def _submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
+async def _submit_all(
+    engine: AsyncEngine, requests: list[EngineRequest], sink=None
+) -> list[RequestStream]:
     streams = []
     try:
         for request in requests:
-            streams.append(await engine.submit(request))
+            streams.append(await engine.submit(request, sink))
     except BaseException:
         for stream in streams:
             engine.abort(stream.request_id)
@@ -460,6 +493,32 @@ class _View:
     created: int
     render: _Render
 
+    def spec(self, request_ids: list[str], stream: bool, include_usage: bool) -> dict:
+        """Everything another process needs to show this request's outputs as this one
+        would (`symbiont serve --api-process`; `from_spec` reads it back)."""
+        render = self.render
+        return {
+            "request_ids": request_ids,
+            "stream": bool(stream),
+            "include_usage": include_usage,
+            "view": [self.id, self.model, self.chat, self.n, self.created],
+            "render": [
+                render.as_ids,
+                render.logprobs,
+                render.echo,
+                [list(p) for p in render.prompts],
+                list(render.texts),
+            ],
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict, tokenizer) -> _View:
+        as_ids, logprobs, echo, prompts, texts = spec["render"]
+        render = _Render(
+            tokenizer, as_ids, logprobs, echo, tuple(tuple(p) for p in prompts), tuple(texts)
+        )
+        return cls(*spec["view"], render)
+
     def chunk(self, choices: list[dict]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {
@@ -519,7 +578,9 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
-async def _sse(engine, streams, view: _View, include_usage: bool, metrics) -> AsyncIterator[str]:
+async def _sse(engine, streams, view: _View, include_usage: bool, count) -> AsyncIterator[str]:
+    """The SSE events of a streamed request; `engine` has `abort(request_id)`, and
+    `count(outcome)` counts how the HTTP request ended."""
     offsets, totals, prompt_logprobs = {}, {}, {}
     outcome = "disconnected"  # counted once per HTTP request, as for non-streamed ones
     try:
@@ -557,18 +618,20 @@ async def _sse(engine, streams, view: _View, include_usage: bool, metrics) -> As
             yield _event({**view.chunk([]), "usage": usage(prompt, completion)})
         yield "data: [DONE]\n\n"
     finally:  # client gone or stream done: stop whatever is still generating
-        metrics.requests.labels(outcome).inc()
+        count(outcome)
         for stream in streams:
             engine.abort(stream.request_id)
 
 
-async def _complete(engine, streams, view: _View, http: Request, metrics) -> dict:
+async def _complete(engine, streams, view: _View, http: Request, count) -> dict:
+    """The one JSON answer of a request that is not streamed; `engine` has `abort`,
+    `alive` and `_why_stopped()`, `count(outcome)` counts how it ended."""
     gather = asyncio.ensure_future(_collect(streams))
     try:
         while not gather.done():
             await asyncio.wait({gather}, timeout=0.25)
             if not gather.done() and await http.is_disconnected():
-                metrics.requests.labels("disconnected").inc()
+                count("disconnected")
                 raise APIError(499, "client disconnected", "client_closed_request")
         choices_by_key, prompt_logprobs, totals, error = gather.result()
     finally:
@@ -576,14 +639,14 @@ async def _complete(engine, streams, view: _View, http: Request, metrics) -> dic
         for stream in streams:
             engine.abort(stream.request_id)
     if error:
-        metrics.requests.labels("error").inc()
+        count("error")
         raise APIError(500, error, "internal_error")
     cut = [c for c in choices_by_key.values() if c.finish is None or str(c.finish) == "abort"]
     if cut and not engine.alive:
         # the server shut down under it (SIGTERM past the grace period): not an answer
-        metrics.requests.labels("error").inc()
+        count("error")
         raise APIError(503, engine._why_stopped(), "service_unavailable", code="shutting_down")
-    metrics.requests.labels("ok").inc()
+    count("ok")
     choices = []
     for (i, j), choice in sorted(choices_by_key.items()):
         index = i * view.n + j

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import uvicorn
@@ -20,6 +21,8 @@ from symbiont.serve.async_engine import AsyncEngine
 from symbiont.serve.config import ServerConfig
 from symbiont.serve.engine import Engine
 from symbiont.serve.http.api import ServerState, build_app
+from symbiont.serve.http.front import FrontProcess
+from symbiont.serve.http.relay import CoreRelay
 from symbiont.tenant import open_executor
 
 log = logging.getLogger(__name__)
@@ -73,12 +76,15 @@ def load_engine(
 
 
 class BackgroundServer:
-    """The server on a daemon thread; `with BackgroundServer(cfg) as s: s.url`."""
+    """The server on a daemon thread; `with BackgroundServer(cfg) as s: s.url`. With
+    `config.api_process`, HTTP is answered by the API process, started here too."""
 
     def __init__(self, config: ServerConfig, wait_ready: bool = True):
         self.config = config
         self.state = server_state(config)
-        self._server = _Server(_uvicorn_config(config, self.state, log_level="warning"), self.state)
+        self.front = _front(config, self.state, self._front_lost, log_level="warning")
+        uv = _uvicorn_config(config, self.state, self.front, log_level="warning")
+        self._server = _Server(uv, self.state, self.front)
         self._thread = threading.Thread(target=self._server.run, name="symbiont-http", daemon=True)
         self._wait_ready = wait_ready
 
@@ -86,14 +92,23 @@ class BackgroundServer:
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
+                self._close_front()
                 raise RuntimeError(f"the HTTP server did not start on port {self.config.port}")
             threading.Event().wait(0.02)
-        if self._wait_ready:
-            load_engine(self.config, self.state)
+        try:
+            if self.front is not None:
+                self.front.wait_ready()
+            if self._wait_ready:
+                load_engine(self.config, self.state)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     @property
     def port(self) -> int:
+        if self.front is not None:
+            return self.front.port
         return self._server.servers[0].sockets[0].getsockname()[1]
 
     @property
@@ -105,6 +120,16 @@ class BackgroundServer:
         self._thread.join(10)
         if self.state.engine is not None:
             self.state.engine.stop()
+        self._close_front()
+
+    def _front_lost(self, why: str) -> None:
+        log.error("%s", why)
+        self._server.should_exit = True
+
+    def _close_front(self) -> None:
+        if self.front is not None:
+            self.state.relay.close()
+            self.front.close()
 
 
 def run(config: ServerConfig) -> int:
@@ -114,7 +139,15 @@ def run(config: ServerConfig) -> int:
 
         torch.set_num_threads(config.threads)
     state = server_state(config)
-    server = _Server(_uvicorn_config(config, state), state)
+    front_error: list[str] = []
+
+    def front_lost(why: str) -> None:  # from the relay's thread
+        front_error.append(why)
+        log.critical("%s; stopping the server", why)
+        server.should_exit = True
+
+    front = _front(config, state, front_lost)
+    server = _Server(_uvicorn_config(config, state, front), state, front)
 
     def engine_failed(why: str) -> None:  # from the engine thread
         log.critical("%s; stopping the server", why)
@@ -122,22 +155,63 @@ def run(config: ServerConfig) -> int:
 
     def load() -> None:
         try:
+            port = config.port
+            if front is not None:
+                while not server.started and not server.should_exit:
+                    time.sleep(0.02)
+                port = front.wait_ready()
             load_engine(config, state, engine_failed)
-            log.info("serving %s on http://%s:%s", config.model_name, config.host, config.port)
+            log.info("serving %s on http://%s:%s", config.model_name, config.host, port)
         except Exception as err:  # noqa: BLE001 - reported, then the server stops
             state.load_error = f"loading failed: {err}"
             log.error("%s", state.load_error)
             server.should_exit = True
 
     threading.Thread(target=load, name="symbiont-load", daemon=True).start()
-    server.run()
-    if state.engine is not None:
-        state.engine.stop()
-        if state.engine.error:
-            raise RuntimeError(f"{state.engine.error}; see the log above")
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.stop()
+        if front is not None:
+            state.relay.close()
+            front.close()
+    if state.engine is not None and state.engine.error:
+        raise RuntimeError(f"{state.engine.error}; see the log above")
     if state.load_error:
         raise RuntimeError(state.load_error)
+    if front_error:
+        raise RuntimeError(f"{front_error[0]}; see the log above")
     return 0
+
+
+def _front(
+    config: ServerConfig,
+    state: ServerState,
+    on_lost: Callable[[str], None],
+    log_level: str = "info",
+) -> FrontProcess | None:
+    """With --api-process: the API process (not started yet) and the relay it connects
+    to, in `state.relay`; the API process's requests end through `on_done`."""
+    if not config.api_process:
+        return None
+    front = FrontProcess(
+        config.host, config.port, config.model, config.max_request_bytes, log_level
+    )
+
+    def on_done(request_ids: list[str], outcome: str | None) -> None:  # the relay's thread
+        if state.engine is not None:
+            for request_id in request_ids:
+                state.engine.abort(request_id)
+        if outcome is not None:
+            state.metrics.requests.labels(outcome).inc()
+
+    def lost() -> None:
+        if not front.stopping:
+            on_lost("the API process stopped unexpectedly")
+
+    state.relay = CoreRelay(front.relay_socket, on_done, lost)
+    return front
 
 
 class _Server(uvicorn.Server):
@@ -146,14 +220,25 @@ class _Server(uvicorn.Server):
     stream cut without [DONE]. Stopped engines abort their requests instead, so every
     handler ends as it would on an abort (streams finish, others get a 503)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: ServerState, front: FrontProcess | None):
         super().__init__(config)
         self._state = state
+        self._front = front
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self._front is not None and self.started:
+            self._front.start()  # it connects to the relay and the socket just bound
 
     async def shutdown(self, sockets=None) -> None:
         loop = asyncio.get_running_loop()
         ending = loop.call_later(max(SHUTDOWN_GRACE_S - 1.0, 0.0), self._end_requests)
         try:
+            if self._front is not None:
+                # the API process stops taking requests; those it relays finish (or are
+                # ended by _end_requests) before this process stops answering it
+                self._front.stop()
+                await self._relayed_done()
             await super().shutdown(sockets)
             if self.force_exit and self.lifespan is not None:
                 # A second Ctrl-C makes uvicorn skip the app's shutdown (stopping jobs);
@@ -162,6 +247,11 @@ class _Server(uvicorn.Server):
                 await self.lifespan.shutdown()
         finally:
             ending.cancel()
+
+    async def _relayed_done(self) -> None:
+        engine = self._state.engine
+        while engine is not None and engine.alive and engine.relayed and not self.force_exit:
+            await asyncio.sleep(0.05)
 
     def _end_requests(self) -> None:
         engine = self._state.engine
@@ -181,11 +271,16 @@ def server_state(config: ServerConfig) -> ServerState:
     )
 
 
-def _uvicorn_config(config: ServerConfig, state: ServerState, **kw) -> uvicorn.Config:
+def _uvicorn_config(
+    config: ServerConfig, state: ServerState, front: FrontProcess | None, **kw
+) -> uvicorn.Config:
+    # with an API process, this one listens only on a unix socket in its private folder
+    # (the API process logs each request: this one would log them again, without client)
+    where = (
+        {"uds": front.api_socket, "access_log": False}
+        if front
+        else {"host": config.host, "port": config.port}
+    )
     return uvicorn.Config(
-        build_app(state),
-        host=config.host,
-        port=config.port,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        **kw,
+        build_app(state), timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **where, **kw
     )

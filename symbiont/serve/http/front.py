@@ -1,0 +1,319 @@
+"""The API process of `symbiont serve --api-process`: HTTP and streaming on another core.
+
+`symbiont serve` answers HTTP on the engine's process by default. Every token a client
+streams then costs that process's event loop some Python (JSON, SSE framing, a socket
+write), and the loop takes the GIL from the engine thread between its tensor operations:
+with a small model and 16 streams, decode steps took 4.0-4.5 ms behind HTTP against
+2.7-3.3 ms alone (BENCHMARKS.md, issue 17). With `--api-process` this process listens on
+the public port instead and does that work under its own GIL:
+
+- `POST /v1/completions` and `/v1/chat/completions` go to the engine process with a
+  relay id (`relay.RELAY_HEADER`); it validates and queues them as ever, and answers with
+  how to show them. Their outputs then come over `relay.sock`, one frame per engine
+  iteration, and this process streams them (the same `_sse` and `_complete` as in
+  `api.py`, so responses are byte for byte those of the engine's process).
+- Every other request is forwarded unchanged, and its answer sent back unchanged.
+
+Authentication, tenants, validation and metrics stay in the engine's process, which
+listens only on a unix socket in a private folder: nothing reaches it but this process.
+If the engine's process goes away, this one answers 503 and exits; the engine's process
+stops this one when it stops (`FrontProcess`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from symbiont.serve.async_engine import RequestStream
+from symbiont.serve.http.api import (
+    APIError,
+    BodyLimit,
+    _complete,
+    _sse,
+    _View,
+    warm_imports_at_startup,
+)
+from symbiont.serve.http.protocol import error_body
+from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, FrontRelay
+
+log = logging.getLogger(__name__)
+
+API_SOCKET, RELAY_SOCKET, READY_FILE = "api.sock", "relay.sock", "front.json"
+# per-hop headers (RFC 9110 7.6.1), never forwarded; and the relay's own
+_HOP = {
+    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+    "upgrade", "host", RELAY_HEADER, SPEC_HEADER,
+}  # fmt: skip
+_GRACE_S = 5.0  # as SHUTDOWN_GRACE_S of server.py: streams in flight may finish
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """What the API process needs: where to listen, where the engine's process is."""
+
+    host: str
+    port: int
+    folder: str  # the private folder holding api.sock and relay.sock
+    model: str  # the checkpoint folder: its tokenizer names tokens in logprobs
+    max_request_bytes: int
+    log_level: str = "info"
+
+
+class _RelayedEngine:
+    """What `_sse` and `_complete` ask of the engine, over the relay."""
+
+    def __init__(self, relay: FrontRelay):
+        self.relay = relay
+
+    @property
+    def alive(self) -> bool:
+        return self.relay.alive
+
+    def abort(self, request_id: str) -> None:
+        self.relay.done([request_id])
+
+    def _why_stopped(self) -> str:
+        why = self.relay.error or "the engine process is stopping"
+        return f"{why}; retry on another replica or after the server restarts"
+
+
+def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
+    """The API process's app; its `state` holds the relay and HTTP client once started."""
+    state: dict = {}
+    folder = Path(config.folder)
+
+    async def relayed(request: Request) -> Response:
+        relay: FrontRelay = state["relay"]
+        if not relay.alive:
+            return _unavailable(relay.error)
+        chat = request.url.path.endswith("/chat/completions")
+        relay_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        relay.expect(relay_id)
+        try:
+            upstream = await _forward(state["client"], request, {RELAY_HEADER: relay_id})
+        except httpx.TransportError as err:
+            relay.forget(relay_id)
+            return _unavailable(f"the engine process did not answer ({err})")
+        if upstream.headers.get(SPEC_HEADER) != "1":  # an error, or not relayed
+            relay.forget(relay_id)
+            return _streamed_back(upstream)
+        try:
+            spec = json.loads(await upstream.aread())
+        finally:
+            await upstream.aclose()
+        loop = asyncio.get_running_loop()
+        streams = relay.attach(relay_id, spec["request_ids"], lambda rid: RequestStream(rid, loop))
+        return await _show(relay, streams, _View.from_spec(spec, tokenizer), spec, request)
+
+    async def forwarded(request: Request) -> Response:
+        try:
+            return _streamed_back(await _forward(state["client"], request))
+        except httpx.TransportError as err:
+            return _unavailable(f"the engine process did not answer ({err})")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        transport = httpx.AsyncHTTPTransport(uds=str(folder / API_SOCKET))
+        # no timeout: a completion that is not streamed takes as long as it generates
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://symbiont", timeout=None
+        ) as client:
+            state["client"] = client
+            state["relay"] = relay = FrontRelay(str(folder / RELAY_SOCKET), state["on_lost"])
+            await relay.connect()
+            yield
+
+    routes = [
+        Route("/v1/completions", relayed, methods=["POST"]),
+        Route("/v1/chat/completions", relayed, methods=["POST"]),
+        Route("/{path:path}", forwarded, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    warm_imports_at_startup(app)
+    return app, state
+
+
+async def _show(relay: FrontRelay, streams, view: _View, spec: dict, request: Request):
+    engine = _RelayedEngine(relay)
+
+    def count(outcome: str) -> None:
+        relay.done([], outcome)
+
+    if spec["stream"]:
+        events = _sse(engine, streams, view, spec["include_usage"], count)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        return JSONResponse(await _complete(engine, streams, view, request, count))
+    except APIError as err:
+        return err.response()
+
+
+async def _forward(client: httpx.AsyncClient, request: Request, extra=None) -> httpx.Response:
+    """`request` sent on to the engine process (its body is at most --max-request-bytes:
+    BodyLimit read it); its answer is streamed back."""
+    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    upstream = client.build_request(
+        request.method,
+        request.url.path,
+        params=request.url.query.encode("latin-1") if request.url.query else None,
+        headers=headers,
+        content=await request.body(),
+    )
+    return await client.send(upstream, stream=True)
+
+
+def _streamed_back(upstream: httpx.Response) -> Response:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        headers=headers,
+        background=BackgroundTask(upstream.aclose),
+    )
+
+
+def _unavailable(why: str | None) -> JSONResponse:
+    message = f"{why or 'the engine process is not reachable'}; the server must restart"
+    body = error_body(message, "service_unavailable", code="engine_unreachable")
+    return JSONResponse(body, status_code=503)
+
+
+# -- the process ------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m symbiont.serve.http.front CONFIG_JSON`, started by `FrontProcess`."""
+    (raw,) = argv if argv is not None else sys.argv[1:]
+    config = FrontConfig(**json.loads(raw))
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request
+    from symbiont.tenant import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model, required=False)
+    app, state = build_front(config, tokenizer)
+    server = _FrontServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            timeout_graceful_shutdown=_GRACE_S,
+            log_level=config.log_level,
+        ),
+        Path(config.folder) / READY_FILE,
+    )
+
+    def lost(why: str) -> None:
+        if not server.should_exit:  # else the engine's process is stopping this one
+            log.error("%s; the API process stops", why)
+        server.should_exit = True
+
+    state["on_lost"] = lost
+    server.run()
+    return 0
+
+
+class _FrontServer(uvicorn.Server):
+    """Tells the engine's process which port it got (port 0: any free one) once bound."""
+
+    def __init__(self, config: uvicorn.Config, ready_file: Path):
+        super().__init__(config)
+        self._ready_file = ready_file
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        port = self.servers[0].sockets[0].getsockname()[1]
+        staging = self._ready_file.with_suffix(".tmp")
+        staging.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        staging.replace(self._ready_file)
+
+
+class FrontProcess:
+    """The API process, started and stopped by the engine's process.
+
+    `folder` is private (mode 0700): only this user reaches the engine's sockets. The
+    API process runs in a session of its own, so a terminal's Ctrl-C reaches only the
+    engine's process, which then stops it after the streams in flight have ended."""
+
+    def __init__(self, host: str, port: int, model: str, max_request_bytes: int, log_level: str):
+        self.folder = tempfile.mkdtemp(prefix="symbiont-api-")  # created 0700
+        self.config = FrontConfig(host, port, self.folder, model, max_request_bytes, log_level)
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.stopping = False  # stop() was called: its exit is expected
+
+    @property
+    def api_socket(self) -> str:
+        return str(Path(self.folder) / API_SOCKET)
+
+    @property
+    def relay_socket(self) -> str:
+        return str(Path(self.folder) / RELAY_SOCKET)
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "symbiont.serve.http.front", json.dumps(asdict(self.config))]
+        self.process = subprocess.Popen(argv, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> int:
+        """The port it listens on, once it does; raises if it exited first."""
+        ready = Path(self.folder) / READY_FILE
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the API process exited before listening on {self.config.host}:"
+                    f"{self.config.port} (see its log above); is the port free?"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the API process did not listen within {timeout:.0f} s")
+            time.sleep(0.02)
+        self.port = json.loads(ready.read_text())["port"]
+        return self.port
+
+    def stop(self) -> None:
+        """Ask it to finish (SIGTERM: uvicorn's graceful shutdown), without waiting."""
+        self.stopping = True
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def close(self, timeout: float = _GRACE_S + 5.0) -> None:
+        self.stop()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for name in (API_SOCKET, RELAY_SOCKET, READY_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (Path(self.folder) / name).unlink()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

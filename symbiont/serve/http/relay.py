@@ -1,0 +1,312 @@
+"""The channel between the engine's process and the API process (`symbiont serve --api-process`).
+
+With `--api-process`, the OpenAI-compatible endpoints are answered by a second process
+(`symbiont.serve.http.front`) so that the per-token work of streaming (JSON, SSE framing,
+one socket write per client) runs on another core, under another GIL, instead of taking
+the engine thread's GIL between its tensor operations (BENCHMARKS.md, issue 17). The two
+processes talk over two unix sockets in a private folder (mode 0700):
+
+- `api.sock`: the engine process's own HTTP app. The API process forwards every request
+  there unchanged (authentication, tenants, body limits, validation all stay in one
+  place). A completion the API process relays carries `RELAY_HEADER` with the request id
+  it chose; the engine process then queues it and answers with the `RelaySpec` (how to
+  show the outputs), not with the outputs.
+- `relay.sock`: the outputs. The engine thread writes each iteration's outputs for
+  relayed requests as one frame, straight from its own thread (no event loop wake-up in
+  the engine's process). The API process writes back which requests it is done with
+  (finished, or its client left) and how each ended, for the metrics.
+
+Frames are a 4-byte big-endian length and a msgpack body: plain lists, numbers and
+strings, never pickles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import msgpack
+
+from symbiont.decoding import FinishReason, TokenLogprob
+from symbiont.serve.sequence import RequestOutput, SeqDelta
+
+log = logging.getLogger(__name__)
+
+RELAY_HEADER = "x-symbiont-relay"  # the request id the API process chose
+SPEC_HEADER = "x-symbiont-relay-spec"  # on the engine process's answer: a RelaySpec
+RELAY_ID = re.compile(r"^(cmpl|chatcmpl)-[0-9a-f]{32}$")
+_LENGTH = struct.Struct(">I")
+MAX_FRAME = 256 * 1024 * 1024  # a frame this big is a broken peer, not an iteration
+
+
+# -- encoding ---------------------------------------------------------------------------
+
+
+def _logprob(entry: TokenLogprob | None) -> list | None:
+    if entry is None:
+        return None
+    return [entry.token_id, entry.logprob, entry.rank, [list(t) for t in entry.top]]
+
+
+def _unlogprob(raw) -> TokenLogprob | None:
+    if raw is None:
+        return None
+    token_id, logprob, rank, top = raw
+    return TokenLogprob(token_id, logprob, rank, tuple((t, v) for t, v in top))
+
+
+def encode_outputs(outputs: list[RequestOutput]) -> bytes:
+    body = [
+        [
+            o.request_id,
+            [
+                [
+                    d.index,
+                    list(d.token_ids),
+                    d.text,
+                    None if d.finish_reason is None else str(d.finish_reason),
+                    None if d.logprobs is None else [_logprob(e) for e in d.logprobs],
+                ]
+                for d in o.deltas
+            ],
+            o.prompt_tokens,
+            o.completion_tokens,
+            o.finished,
+            o.error,
+            None if o.prompt_logprobs is None else [_logprob(e) for e in o.prompt_logprobs],
+        ]
+        for o in outputs
+    ]
+    return frame(body)
+
+
+def decode_outputs(body) -> list[RequestOutput]:
+    outputs = []
+    for request_id, deltas, prompt, completion, finished, error, prompt_lps in body:
+        outputs.append(
+            RequestOutput(
+                request_id,
+                tuple(
+                    SeqDelta(
+                        index,
+                        tuple(tokens),
+                        text,
+                        None if reason is None else FinishReason(reason),
+                        None if lps is None else tuple(_unlogprob(e) for e in lps),
+                    )
+                    for index, tokens, text, reason, lps in deltas
+                ),
+                prompt,
+                completion,
+                finished,
+                error,
+                None if prompt_lps is None else tuple(_unlogprob(e) for e in prompt_lps),
+            )
+        )
+    return outputs
+
+
+def frame(body) -> bytes:
+    data = msgpack.packb(body, use_bin_type=True)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+# -- the engine process's end -----------------------------------------------------------
+
+
+class CoreRelay:
+    """Listens on `path` for the one API process; the engine thread sends outputs with
+    `send`, a reader thread hands the API process's "done" messages to `on_done`.
+
+    `on_done(request_ids, outcome)`: the API process has stopped reading these requests;
+    `outcome` ("ok", "error", "disconnected") is counted once per HTTP request, or None.
+    `on_lost()`: the API process went away (its socket closed): the engine process stops.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        on_done: Callable[[list[str], str | None], None],
+        on_lost: Callable[[], None],
+    ):
+        self.path = path
+        self._on_done = on_done
+        self._on_lost = on_lost
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(1)
+        self._conn: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.connected = threading.Event()
+        threading.Thread(target=self._serve, name="symbiont-relay", daemon=True).start()
+
+    def send(self, outputs: list[RequestOutput]) -> None:
+        """From the engine thread (or whoever fails requests): one frame, written now."""
+        data = encode_outputs(outputs)
+        conn = self._conn
+        if conn is None:
+            return
+        with self._send_lock, contextlib.suppress(OSError):  # gone: _serve reports it
+            conn.sendall(data)
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in (self._conn, self._listener):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return  # closed before the API process connected
+        self._conn = conn
+        self.connected.set()
+        try:
+            while True:
+                message = _read_frame(conn)
+                if message is None:
+                    break
+                self._on_done(list(message["done"]), message.get("outcome"))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            if not self._closed:
+                log.error("the API process sent a malformed relay message (%s)", err)
+        if not self._closed:
+            self._on_lost()
+
+
+def _read_frame(conn: socket.socket):
+    """One frame's body from a blocking socket; None at a clean end of stream."""
+    head = _recv_exactly(conn, _LENGTH.size)
+    if head is None:
+        return None
+    (size,) = _LENGTH.unpack(head)
+    if size > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes")
+    body = _recv_exactly(conn, size)
+    if body is None:
+        raise ValueError("stream ended inside a frame")
+    return _unpack(body)
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            if left == size:
+                return None
+            raise ValueError("stream ended inside a frame")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# -- the API process's end --------------------------------------------------------------
+
+
+class FrontRelay:
+    """The API process's end, on its event loop: routes outputs to the streams of the
+    requests it relays. Outputs that arrive before the engine process has answered the
+    HTTP request that queued them wait in `_early` under that request's id."""
+
+    def __init__(self, path: str, on_lost: Callable[[str], None]):
+        self.path = path
+        self.error: str | None = None  # why the relay is gone, once it is
+        self._on_lost = on_lost
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[str, object] = {}  # request id -> RequestStream
+        self._early: dict[str, dict[str, list[RequestOutput]]] = {}  # relay id -> by request
+        self._task: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(self.path, limit=MAX_FRAME)
+        self._task = asyncio.create_task(self._read(reader))
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._writer is not None
+
+    def expect(self, relay_id: str) -> None:
+        """Keep outputs of `relay_id`'s requests until `attach` or `forget`."""
+        self._early[relay_id] = {}
+
+    def attach(self, relay_id: str, request_ids: list[str], make_stream) -> list:
+        """Streams for the requests the engine process queued under `relay_id`."""
+        early = self._early.pop(relay_id, {})
+        streams = []
+        for request_id in request_ids:
+            stream = make_stream(request_id)
+            self._streams[request_id] = stream
+            for output in early.pop(request_id, ()):
+                self._put(stream, output)
+            streams.append(stream)
+        return streams
+
+    def forget(self, relay_id: str) -> None:
+        self._early.pop(relay_id, None)
+
+    def done(self, request_ids: list[str], outcome: str | None = None) -> None:
+        """These requests are no longer read: the engine process aborts whatever of them
+        still runs and counts `outcome`."""
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        if self._writer is not None and self.error is None:
+            self._writer.write(frame({"done": request_ids, "outcome": outcome}))
+
+    def _put(self, stream, output: RequestOutput) -> None:
+        stream.put_nowait(output)
+        if output.finished:
+            self._streams.pop(output.request_id, None)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the engine process closed the relay"
+        try:
+            while True:
+                head = await reader.readexactly(_LENGTH.size)
+                (size,) = _LENGTH.unpack(head)
+                if size > MAX_FRAME:
+                    raise ValueError(f"frame of {size} bytes")
+                for output in decode_outputs(_unpack(await reader.readexactly(size))):
+                    self._route(output)
+        except asyncio.IncompleteReadError:
+            pass
+        except (OSError, ValueError, TypeError) as err:
+            why = f"the relay from the engine process broke ({err})"
+        self._lost(why)
+
+    def _route(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            self._put(stream, output)
+            return
+        relay_id = output.request_id.rpartition("-")[0]
+        early = self._early.get(relay_id)
+        if early is not None:
+            early.setdefault(output.request_id, []).append(output)
+        # else: a request this process already let go of (its client left)
+
+    def _lost(self, why: str) -> None:
+        self.error = why
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(RequestOutput(request_id, (), 0, 0, True, why))
+        self._streams.clear()
+        self._on_lost(why)
+
+
+def valid_relay_id(value: str | None) -> bool:
+    return value is not None and RELAY_ID.match(value) is not None
