@@ -46,9 +46,10 @@ def adapter_root(model_dir, tmp_path_factory):
     return top / "root"
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, adapter_root):
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "api-process"])
+def server(request, model_dir, adapter_root):
     config = ServerConfig(
+        api_process=request.param,
         model=str(model_dir),
         port=0,
         engine=ENGINE,

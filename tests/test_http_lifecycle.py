@@ -130,9 +130,10 @@ def test_threads_flag_refuses_zero(model_dir):
     assert "--threads must be >= 1, got 0" in done.stderr
 
 
-def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_path, extra):
     log = tmp_path / "serve.log"
-    with serve(model_dir, SLOW, log) as (process, url):
+    with serve(model_dir, SLOW, log, extra) as (process, url):
         # Issue 11 #10: this request once put NaN into sampling and killed the engine.
         extreme = {**LONG, "max_tokens": 2, "temperature": 2, "top_p": 1e-300}
         response = httpx.post(f"{url}/v1/completions", json=extreme, timeout=30)
@@ -172,12 +173,13 @@ def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_p
     assert lines[-1] == "data: [DONE]", lines[-3:]
 
 
-def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path, extra):
     """A second Ctrl-C makes uvicorn skip the app's shutdown; asyncio then cancelled it
     at exit and uvicorn logged that as "Exception in 'lifespan' protocol" with a
     traceback. The server now runs the shutdown itself and exits quietly."""
     log = tmp_path / "serve.log"
-    with serve(model_dir, "pass", log) as (process, url):
+    with serve(model_dir, "pass", log, extra) as (process, url):
         response = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)
         assert response.status_code == 200, response.text
         process.send_signal(signal.SIGINT)
@@ -192,9 +194,10 @@ def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path):
     assert code in (0, 130), text  # 130: Python's SIGINT handler raised KeyboardInterrupt
 
 
-def test_serve_exits_non_zero_when_the_engine_cannot_go_on(model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+def test_serve_exits_non_zero_when_the_engine_cannot_go_on(model_dir, tmp_path, extra):
     log = tmp_path / "serve.log"
-    with serve(model_dir, FAILING, log) as (process, url):
+    with serve(model_dir, FAILING, log, extra) as (process, url):
         first = httpx.post(f"{url}/v1/completions", json=LONG, timeout=30)
         assert first.status_code >= 500, first.text  # failed, not hung
         error = first.json()["error"]

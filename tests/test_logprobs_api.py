@@ -42,10 +42,12 @@ def adapters(model_dir, tmp_path_factory):
     return make_adapters(model_dir, tmp_path_factory.mktemp("adapters"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, adapters):
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "api-process"])
+def server(request, model_dir, adapters):
     preloaded = tuple((name, str(adapters[name])) for name in MODELS[1:])
-    config = ServerConfig(model=str(model_dir), adapters=preloaded, port=0, engine=ENGINE)
+    config = ServerConfig(
+        api_process=request.param, model=str(model_dir), adapters=preloaded, port=0, engine=ENGINE
+    )
     with BackgroundServer(config) as running:
         yield running
 

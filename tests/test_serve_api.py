@@ -39,10 +39,11 @@ def adapters(model_dir, tmp_path_factory):
     return make_adapters(model_dir, tmp_path_factory.mktemp("adapters") / "pool")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, adapters):
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "api-process"])
+def server(request, model_dir, adapters):
     preloaded = tuple((name, str(adapters[name])) for name in ("lora4", "lora16", "ia3"))
     config = ServerConfig(
+        api_process=request.param,
         model=str(model_dir),
         adapters=preloaded,
         port=0,
@@ -208,7 +209,7 @@ def test_adapter_management_while_requests_run(server, client, adapters, expecte
     assert httpx.delete(f"{url}/lora16").status_code == 404
 
     broken = adapters["lora4"].parent / "broken"
-    shutil.copytree(adapters["lora4"], broken)
+    shutil.copytree(adapters["lora4"], broken, dirs_exist_ok=True)  # (once per server kind)
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
     response = httpx.post(url, json={"name": "broken", "path": str(broken)})
     assert response.status_code == 400 and "cannot read" in response.json()["error"]["message"]

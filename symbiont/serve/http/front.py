@@ -80,21 +80,25 @@ class FrontConfig:
 
 
 class _RelayedEngine:
-    """What `_sse` and `_complete` ask of the engine, over the relay."""
+    """What `_sse` and `_complete` ask of the engine, over the relay; `stopping()` says
+    whether this process was told to stop (then requests cut short are answered 503, as
+    the engine's process answers them when it stops)."""
 
-    def __init__(self, relay: FrontRelay):
+    def __init__(self, relay: FrontRelay, stopping):
         self.relay = relay
+        self.stopping = stopping
 
     @property
     def alive(self) -> bool:
-        return self.relay.alive
+        return self.relay.alive and not self.stopping()
 
     def abort(self, request_id: str) -> None:
         self.relay.done([request_id])
 
     def _why_stopped(self) -> str:
-        why = self.relay.error or "the engine process is stopping"
-        return f"{why}; retry on another replica or after the server restarts"
+        if self.relay.error:
+            return f"{self.relay.error}; the server cannot serve requests any more and must restart"
+        return "the server is shutting down; retry on another replica or after it restarts"
 
 
 def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
@@ -123,7 +127,8 @@ def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
             await upstream.aclose()
         loop = asyncio.get_running_loop()
         streams = relay.attach(relay_id, spec["request_ids"], lambda rid: RequestStream(rid, loop))
-        return await _show(relay, streams, _View.from_spec(spec, tokenizer), spec, request)
+        engine = _RelayedEngine(relay, state["stopping"])
+        return await _show(engine, streams, _View.from_spec(spec, tokenizer), spec, request)
 
     async def forwarded(request: Request) -> Response:
         try:
@@ -154,11 +159,9 @@ def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
     return app, state
 
 
-async def _show(relay: FrontRelay, streams, view: _View, spec: dict, request: Request):
-    engine = _RelayedEngine(relay)
-
+async def _show(engine: _RelayedEngine, streams, view: _View, spec: dict, request: Request):
     def count(outcome: str) -> None:
-        relay.done([], outcome)
+        engine.relay.done([], outcome)
 
     if spec["stream"]:
         events = _sse(engine, streams, view, spec["include_usage"], count)
@@ -230,8 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     state["on_lost"] = lost
-    server.run()
+    state["stopping"] = lambda: server.should_exit
+    try:
+        server.run()
+    finally:  # the engine's process removes them too, unless it was killed
+        remove_folder(config.folder)
     return 0
+
+
+def remove_folder(folder: str) -> None:
+    for name in (API_SOCKET, RELAY_SOCKET, READY_FILE, READY_FILE + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            (Path(folder) / name).unlink()
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 class _FrontServer(uvicorn.Server):
@@ -246,7 +261,7 @@ class _FrontServer(uvicorn.Server):
         if self.should_exit or not self.servers:
             return
         port = self.servers[0].sockets[0].getsockname()[1]
-        staging = self._ready_file.with_suffix(".tmp")
+        staging = self._ready_file.with_name(READY_FILE + ".tmp")
         staging.write_text(json.dumps({"port": port, "pid": os.getpid()}))
         staging.replace(self._ready_file)
 
@@ -308,11 +323,7 @@ class FrontProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for name in (API_SOCKET, RELAY_SOCKET, READY_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                (Path(self.folder) / name).unlink()
-        with contextlib.suppress(OSError):
-            os.rmdir(self.folder)
+        remove_folder(self.folder)
 
 
 if __name__ == "__main__":

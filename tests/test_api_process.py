@@ -1,0 +1,235 @@
+"""`symbiont serve --api-process`: HTTP in a second process, outputs over the relay.
+
+The OpenAI API through the API process is tested by the `[api-process]` runs of
+test_serve_api.py, test_logprobs_api.py and test_http_hostile.py (responses equal to
+vanilla transformers + peft, bad input) and test_http_lifecycle.py (SIGTERM, Ctrl-C, a
+dead engine). Here: the relay's encoding, what happens when either process dies, a port
+already taken, a forged relay header, and the metrics the API process reports back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from symbiont.decoding import FinishReason, TokenLogprob
+from symbiont.serve import EngineConfig
+from symbiont.serve.config import ServerConfig
+from symbiont.serve.http.relay import FrontRelay, decode_outputs, encode_outputs, msgpack
+from symbiont.serve.http.server import BackgroundServer
+from symbiont.serve.sequence import RequestOutput, SeqDelta
+from tests.test_http_lifecycle import LONG, serve
+from tests.test_serve_common import add_char_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = EngineConfig(max_running=4, max_batched_tokens=32, block_size=4, num_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoints, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("api-process") / "tiny-llama"
+    shutil.copytree(checkpoints("llama"), folder)
+    return add_char_tokenizer(folder)
+
+
+def _output(request_id: str, finished: bool = False) -> RequestOutput:
+    entry = TokenLogprob(7, -0.25, 1, ((7, -0.25), (3, -math.inf)))
+    delta = SeqDelta(0, (7, 9), "ab", FinishReason.LENGTH if finished else None, (entry, entry))
+    return RequestOutput(request_id, (delta,), 5, 2, finished, None, (None, entry))
+
+
+def test_outputs_survive_the_relay_encoding_exactly():
+    outputs = [
+        _output("cmpl-" + "a" * 32 + "-0"),
+        _output("cmpl-" + "a" * 32 + "-1", finished=True),
+        RequestOutput("chatcmpl-" + "b" * 32 + "-0", (), 3, 0, True, "the engine failed"),
+        RequestOutput("x-0", (SeqDelta(1, (), "", FinishReason.ABORT),), 1, 0, True),
+    ]
+    data = encode_outputs(outputs)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    decoded = decode_outputs(msgpack.unpackb(data[4:], raw=False))
+    assert decoded == outputs
+    assert isinstance(decoded[1].deltas[0].finish_reason, FinishReason)
+
+
+class _Stream:
+    def __init__(self):
+        self.got: list[RequestOutput] = []
+
+    def put_nowait(self, output):
+        self.got.append(output)
+
+
+def test_outputs_that_arrive_before_the_answer_wait_for_their_request():
+    lost = []
+    relay = FrontRelay("/nonexistent", lost.append)
+    relay_id = "cmpl-" + "c" * 32
+    relay.expect(relay_id)
+    early = _output(f"{relay_id}-0")
+    relay._route(early)
+    relay._route(_output("cmpl-" + "d" * 32 + "-0"))  # nobody expects it: dropped
+    (stream,) = relay.attach(relay_id, [f"{relay_id}-0"], lambda _: _Stream())
+    assert stream.got == [early]
+    relay._route(last := _output(f"{relay_id}-0", finished=True))
+    assert stream.got == [early, last]
+    assert relay._streams == {} and relay._early == {}
+    # the engine's process goes away: every open stream ends with the reason
+    relay.expect(relay_id)
+    (open_stream,) = relay.attach(relay_id, [f"{relay_id}-0"], lambda _: _Stream())
+    relay._lost("the engine process closed the relay")
+    (ended,) = open_stream.got
+    assert ended.finished and ended.error == "the engine process closed the relay"
+    assert lost == ["the engine process closed the relay"] and not relay.alive
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _front_of(process: subprocess.Popen) -> int:
+    for pid in _children(process.pid):
+        if b"symbiont.serve.http.front" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError("serve --api-process has no API process")
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_serve_exits_non_zero_when_its_api_process_dies(model_dir, tmp_path):
+    log = tmp_path / "serve.log"
+    with serve(model_dir, "pass", log, ("--api-process",)) as (process, url):
+        assert httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}).is_success
+        os.kill(_front_of(process), signal.SIGKILL)
+        try:
+            code = process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve ran on without its API process:\n{log.read_text()}")
+    assert code not in (0, None)
+    assert "the API process stopped unexpectedly" in log.read_text(), log.read_text()
+
+
+def test_the_api_process_stops_and_cleans_up_when_serve_is_killed(model_dir, tmp_path):
+    log = tmp_path / "serve.log"
+    with serve(model_dir, "pass", log, ("--api-process",)) as (process, url):
+        front = _front_of(process)
+        folder = Path(_cmdline_json(front)["folder"])  # the private folder of its sockets
+        process.kill()
+        process.wait()
+        assert _gone(front, within=10), "the API process outlived a killed serve"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+    assert not folder.exists(), sorted(folder.iterdir())
+
+
+def _cmdline_json(pid: int) -> dict:
+    return json.loads(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3])
+
+
+def test_serve_names_a_port_already_taken(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [
+            sys.executable, "-m", "symbiont", "serve", "--model", str(model_dir),
+            "--port", str(port), "--api-process",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    assert "address already in use" in done.stderr.lower(), done.stderr
+    assert "is the port free?" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("api_process", [False, True], ids=["in-process", "api-process"])
+def test_a_relay_header_from_a_client_is_not_obeyed(model_dir, api_process):
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, api_process=api_process)
+    forged = {"x-symbiont-relay": "cmpl-" + "e" * 32, "x-symbiont-relay-spec": "1"}
+    body = {**LONG, "max_tokens": 3}
+    with BackgroundServer(config) as server:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=forged, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert "x-symbiont-relay-spec" not in answer.headers
+    assert answer.json()["usage"]["completion_tokens"] == 3
+    assert answer.json()["id"] != forged["x-symbiont-relay"]
+
+
+def test_the_api_process_reports_how_each_request_ended(model_dir):
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, api_process=True)
+    with BackgroundServer(config) as server:
+        registry = server.state.metrics.registry
+
+        def outcome(name: str) -> float:
+            return registry.get_sample_value("symbiont_requests_total", {"outcome": name}) or 0
+
+        assert httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 2}).is_success
+        engine = server.state.engine.engine
+        step = engine.step
+        engine.step = lambda: time.sleep(0.05) or step()
+        body = {**LONG, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break  # and leave with the stream open
+        deadline = time.monotonic() + 10
+        while (outcome("disconnected") < 1 or server.state.engine.relayed) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert outcome("ok") == 1 and outcome("disconnected") == 1
+        assert server.state.engine.relayed == 0, "the abandoned request kept generating"
+        assert not engine.has_work()
+
+
+def test_requests_through_the_api_process_run_at_once(model_dir):
+    """Many concurrent streams through the relay, each complete and in order."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, api_process=True)
+
+    async def main(url: str) -> list[list[str]]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+            async def one(i: int) -> list[str]:
+                body = {**LONG, "prompt": f"p{i}", "max_tokens": 5 + i, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    return [line async for line in response.aiter_lines() if line]
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    with BackgroundServer(config) as server:
+        results = asyncio.run(main(server.url))
+    for i, lines in enumerate(results):
+        assert lines[-1] == "data: [DONE]"
+        assert len(lines) == 5 + i + 1, lines  # one chunk per token, then [DONE]
