@@ -504,7 +504,8 @@ def write_report(args, rows: list[dict]) -> None:
     header = (
         f"model `{args.model}`, {PEER_PACKAGE}=={PEER_VERSION}, fp32, "
         f"{thread_words(args.threads)}, "
-        f"{args.requests} requests per scenario (outputs {args.output_len[0]}-{args.output_len[1]} "
+        + (f"symbiont serve {' '.join(args.symbiont_flags)}, " if args.symbiont_flags else "")
+        + f"{args.requests} requests per scenario (outputs {args.output_len[0]}-{args.output_len[1]} "
         f"tokens, prompts short {args.short[0]}-{args.short[1]} / long {args.long[0]}-"
         f"{args.long[1]}), closed loop {args.users} users, Poisson {args.rate}/s. "
         "Columns after vLLM tok/s are symbiont / vLLM.\n\n"
@@ -583,6 +584,12 @@ def main(argv=None) -> int:
         "one OpenMP thread per core less one it reserves for its scheduler)",
     )
     p.add_argument("--ready-timeout", type=float, default=900)
+    p.add_argument(
+        "--symbiont-flags",
+        type=str.split,
+        default=[],
+        help="more flags for symbiont serve, in one quoted argument, e.g. '--api-process'",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results", help="table, JSON, plot, logs")
     args = p.parse_args(argv)
@@ -632,7 +639,7 @@ def main(argv=None) -> int:
                 if system == "vllm":
                     command = vllm_command(python, model, adapters, port, lim)
                 else:
-                    command = symbiont_command(model, adapters, port, lim)
+                    command = symbiont_command(model, adapters, port, lim) + args.symbiont_flags
                 log = args.out / f"{system}-{n}.log"
                 print(f"[{n} adapters] starting {system} on 127.0.0.1:{port}", flush=True)
                 try:

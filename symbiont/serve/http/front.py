@@ -113,18 +113,30 @@ def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
         chat = request.url.path.endswith("/chat/completions")
         relay_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         relay.expect(relay_id)
+        headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1") not in _HOP]
+        headers.append((RELAY_HEADER.encode(), relay_id.encode()))
         try:
-            upstream = await _forward(state["client"], request, {RELAY_HEADER: relay_id})
-        except httpx.TransportError as err:
+            status, answer_headers, body = await relay.call(
+                relay_id,
+                request.method,
+                request.url.path,
+                request.url.query.encode("latin-1"),
+                headers,
+                await request.body(),
+            )
+        except ConnectionError as err:
             relay.forget(relay_id)
-            return _unavailable(f"the engine process did not answer ({err})")
-        if upstream.headers.get(SPEC_HEADER) != "1":  # an error, or not relayed
+            return _unavailable(str(err))
+        except BaseException:  # cancelled: the relay aborts what its answer names
             relay.forget(relay_id)
-            return _streamed_back(upstream)
-        try:
-            spec = json.loads(await upstream.aread())
-        finally:
-            await upstream.aclose()
+            raise
+        answer = {bytes(k).decode("latin-1").lower(): bytes(v) for k, v in answer_headers}
+        if answer.get(SPEC_HEADER) != b"1":  # an error
+            relay.forget(relay_id)
+            kept = {k: v.decode("latin-1") for k, v in answer.items() if k not in _HOP}
+            kept.pop("content-length", None)
+            return Response(bytes(body), status_code=status, headers=kept)
+        spec = json.loads(body)
         loop = asyncio.get_running_loop()
         streams = relay.attach(relay_id, spec["request_ids"], lambda rid: RequestStream(rid, loop))
         engine = _RelayedEngine(relay, state["stopping"])
@@ -297,7 +309,8 @@ class FrontProcess:
         ready = Path(self.folder) / READY_FILE
         deadline = time.monotonic() + timeout
         while not ready.exists():
-            if self.process is None or self.process.poll() is not None:
+            # (None: not started yet; the server starts it just after binding its socket)
+            if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"the API process exited before listening on {self.config.host}:"
                     f"{self.config.port} (see its log above); is the port free?"

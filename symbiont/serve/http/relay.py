@@ -7,14 +7,17 @@ the engine thread's GIL between its tensor operations (BENCHMARKS.md, issue 17).
 processes talk over two unix sockets in a private folder (mode 0700):
 
 - `api.sock`: the engine process's own HTTP app. The API process forwards every request
-  there unchanged (authentication, tenants, body limits, validation all stay in one
-  place). A completion the API process relays carries `RELAY_HEADER` with the request id
-  it chose; the engine process then queues it and answers with the `RelaySpec` (how to
-  show the outputs), not with the outputs.
-- `relay.sock`: the outputs. The engine thread writes each iteration's outputs for
-  relayed requests as one frame, straight from its own thread (no event loop wake-up in
-  the engine's process). The API process writes back which requests it is done with
-  (finished, or its client left) and how each ended, for the metrics.
+  but completions there unchanged (authentication, tenants, body limits, validation all
+  stay in one place).
+- `relay.sock`: completions and their outputs. The API process sends each completion
+  request (method, path, headers, body) as a frame with `RELAY_HEADER` added, naming the
+  request id it chose; the engine's process runs it through the same app (as an ASGI
+  call, without HTTP parsing on either side), which queues it and answers with how to
+  show the outputs (`SPEC_HEADER`) or with its error. The engine thread then writes each
+  iteration's outputs for relayed requests as one frame, straight from its own thread (no
+  event loop wake-up in the engine's process). The API process writes back which
+  requests it is done with (finished, or its client left) and how each ended, for the
+  metrics.
 
 Frames are a 4-byte big-endian length and a msgpack body: plain lists, numbers and
 strings, never pickles.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import socket
@@ -142,6 +146,8 @@ class CoreRelay:
         self.path = path
         self._on_done = on_done
         self._on_lost = on_lost
+        self.app = None  # the ASGI app that answers calls, and its loop (`serve_calls`)
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(1)
@@ -151,9 +157,15 @@ class CoreRelay:
         self.connected = threading.Event()
         threading.Thread(target=self._serve, name="symbiont-relay", daemon=True).start()
 
+    def serve_calls(self, app, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the API process's calls through `app` on `loop` (the HTTP server's)."""
+        self.app, self.loop = app, loop
+
     def send(self, outputs: list[RequestOutput]) -> None:
         """From the engine thread (or whoever fails requests): one frame, written now."""
-        data = encode_outputs(outputs)
+        self._write(encode_outputs(outputs))
+
+    def _write(self, data: bytes) -> None:
         conn = self._conn
         if conn is None:
             return
@@ -181,12 +193,66 @@ class CoreRelay:
                 message = _read_frame(conn)
                 if message is None:
                     break
-                self._on_done(list(message["done"]), message.get("outcome"))
+                if "call" in message:
+                    asyncio.run_coroutine_threadsafe(self._call(message), self.loop)
+                else:
+                    self._on_done(list(message["done"]), message.get("outcome"))
         except (OSError, ValueError, KeyError, TypeError) as err:
             if not self._closed:
                 log.error("the API process sent a malformed relay message (%s)", err)
         if not self._closed:
             self._on_lost()
+
+    async def _call(self, message: dict) -> None:
+        """One request of the API process through the app; its whole answer goes back
+        in one frame (relayed requests answer at once: how to show them, or an error)."""
+        call_id = message["call"]
+        status, headers, body = 500, [], []
+        try:
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": message["method"],
+                "scheme": "http",
+                "path": message["path"],
+                "raw_path": message["path"].encode(),
+                "query_string": message["query"],
+                "root_path": "",
+                "headers": [(bytes(k), bytes(v)) for k, v in message["headers"]],
+                "client": None,
+                "server": None,
+                "state": {},
+            }
+            sent_body = False
+
+            async def receive():
+                nonlocal sent_body
+                if not sent_body:
+                    sent_body = True
+                    return {"type": "http.request", "body": message["body"], "more_body": False}
+                return {"type": "http.disconnect"}
+
+            async def send(event):
+                nonlocal status, headers
+                if event["type"] == "http.response.start":
+                    status, headers = event["status"], [list(h) for h in event["headers"]]
+                elif event["type"] == "http.response.body":
+                    body.append(event.get("body", b""))
+
+            await self.app(scope, receive, send)
+        except Exception as err:  # noqa: BLE001 - the caller gets a 500 naming it
+            log.exception("a relayed request failed")
+            status, headers = 500, [[b"content-type", b"application/json"]]
+            body = [_error_json(f"relayed request failed: {err}")]
+        self._write(
+            frame({"reply": call_id, "status": status, "headers": headers, "body": b"".join(body)})
+        )
+
+
+def _error_json(message: str) -> bytes:
+    error = {"message": message, "type": "internal_error", "param": None, "code": None}
+    return json.dumps({"error": error}).encode()
 
 
 def _read_frame(conn: socket.socket):
@@ -231,6 +297,7 @@ class FrontRelay:
         self._writer: asyncio.StreamWriter | None = None
         self._streams: dict[str, object] = {}  # request id -> RequestStream
         self._early: dict[str, dict[str, list[RequestOutput]]] = {}  # relay id -> by request
+        self._replies: dict[str, asyncio.Future] = {}  # relay id -> the answer to its call
         self._task: asyncio.Task | None = None
 
     async def connect(self) -> None:
@@ -240,6 +307,28 @@ class FrontRelay:
     @property
     def alive(self) -> bool:
         return self.error is None and self._writer is not None
+
+    async def call(
+        self, relay_id: str, method: str, path: str, query: bytes, headers: list, body: bytes
+    ) -> tuple[int, list, bytes]:
+        """The engine process's answer (status, headers, body) to one request."""
+        if not self.alive:
+            raise ConnectionError(self.error or "the relay is not connected")
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[relay_id] = reply
+        message = {
+            "call": relay_id,
+            "method": method,
+            "path": path,
+            "query": query,
+            "headers": headers,
+            "body": body,
+        }
+        self._writer.write(frame(message))
+        try:
+            return await reply
+        finally:
+            self._replies.pop(relay_id, None)
 
     def expect(self, relay_id: str) -> None:
         """Keep outputs of `relay_id`'s requests until `attach` or `forget`."""
@@ -281,13 +370,28 @@ class FrontRelay:
                 (size,) = _LENGTH.unpack(head)
                 if size > MAX_FRAME:
                     raise ValueError(f"frame of {size} bytes")
-                for output in decode_outputs(_unpack(await reader.readexactly(size))):
+                body = _unpack(await reader.readexactly(size))
+                if isinstance(body, dict):  # the answer to a call
+                    reply = self._replies.get(body["reply"])
+                    if reply is not None and not reply.done():
+                        reply.set_result((body["status"], body["headers"], body["body"]))
+                    else:
+                        self._abort_unread(body)
+                    continue
+                for output in decode_outputs(body):
                     self._route(output)
         except asyncio.IncompleteReadError:
             pass
-        except (OSError, ValueError, TypeError) as err:
+        except (OSError, ValueError, TypeError, KeyError) as err:
             why = f"the relay from the engine process broke ({err})"
         self._lost(why)
+
+    def _abort_unread(self, reply: dict) -> None:
+        """The answer to a call nobody waits for any more (its handler was cancelled):
+        whatever it queued is aborted."""
+        queued = [bytes(k).lower() == SPEC_HEADER.encode() for k, _ in reply["headers"]]
+        if any(queued):
+            self.done(list(json.loads(reply["body"])["request_ids"]))
 
     def _route(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -302,6 +406,9 @@ class FrontRelay:
 
     def _lost(self, why: str) -> None:
         self.error = why
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(ConnectionError(why))
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(RequestOutput(request_id, (), 0, 0, True, why))
         self._streams.clear()

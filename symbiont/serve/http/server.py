@@ -157,7 +157,9 @@ def run(config: ServerConfig) -> int:
         try:
             port = config.port
             if front is not None:
-                while not server.started and not server.should_exit:
+                while not server.started:
+                    if server.should_exit:  # it never bound its socket (logged)
+                        return
                     time.sleep(0.02)
                 port = front.wait_ready()
             load_engine(config, state, engine_failed)
@@ -228,6 +230,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self._front is not None and self.started:
+            self._state.relay.serve_calls(self.config.app, asyncio.get_running_loop())
             self._front.start()  # it connects to the relay and the socket just bound
 
     async def shutdown(self, sockets=None) -> None:
