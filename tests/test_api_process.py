@@ -233,3 +233,13 @@ def test_requests_through_the_api_process_run_at_once(model_dir):
     for i, lines in enumerate(results):
         assert lines[-1] == "data: [DONE]"
         assert len(lines) == 5 + i + 1, lines  # one chunk per token, then [DONE]
+
+
+def test_the_relay_takes_requests_as_large_as_the_server_accepts(tmp_path):
+    from symbiont.serve.http.relay import MAX_FRAME, CoreRelay
+
+    relay = CoreRelay(str(tmp_path / "r.sock"), lambda *_: None, lambda: None, 1 << 30)
+    try:
+        assert relay.max_frame > 1 << 30 > MAX_FRAME
+    finally:
+        relay.close()

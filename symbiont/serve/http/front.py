@@ -220,8 +220,15 @@ def _unavailable(why: str | None) -> JSONResponse:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m symbiont.serve.http.front CONFIG_JSON`, started by `FrontProcess`."""
-    (raw,) = argv if argv is not None else sys.argv[1:]
-    config = FrontConfig(**json.loads(raw))
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1 or args[0].startswith("-"):
+        print(
+            "this is the API process of `symbiont serve --api-process`, which starts it; "
+            "run that command instead",
+            file=sys.stderr,
+        )
+        return 2
+    config = FrontConfig(**json.loads(args[0]))
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request
     from symbiont.tenant import load_tokenizer

@@ -142,8 +142,11 @@ class CoreRelay:
         path: str,
         on_done: Callable[[list[str], str | None], None],
         on_lost: Callable[[], None],
+        max_request_bytes: int = 0,
     ):
         self.path = path
+        # a request's frame holds its body (at most --max-request-bytes) and headers
+        self.max_frame = max(MAX_FRAME, max_request_bytes + (16 << 20))
         self._on_done = on_done
         self._on_lost = on_lost
         self.app = None  # the ASGI app that answers calls, and its loop (`serve_calls`)
@@ -190,7 +193,7 @@ class CoreRelay:
         self.connected.set()
         try:
             while True:
-                message = _read_frame(conn)
+                message = _read_frame(conn, self.max_frame)
                 if message is None:
                     break
                 if "call" in message:
@@ -255,13 +258,13 @@ def _error_json(message: str) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
-def _read_frame(conn: socket.socket):
+def _read_frame(conn: socket.socket, limit: int):
     """One frame's body from a blocking socket; None at a clean end of stream."""
     head = _recv_exactly(conn, _LENGTH.size)
     if head is None:
         return None
     (size,) = _LENGTH.unpack(head)
-    if size > MAX_FRAME:
+    if size > limit:
         raise ValueError(f"frame of {size} bytes")
     body = _recv_exactly(conn, size)
     if body is None:

@@ -212,7 +212,7 @@ def _front(
         if not front.stopping:
             on_lost("the API process stopped unexpectedly")
 
-    state.relay = CoreRelay(front.relay_socket, on_done, lost)
+    state.relay = CoreRelay(front.relay_socket, on_done, lost, config.max_request_bytes)
     return front
 
 
