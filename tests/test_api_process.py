@@ -243,3 +243,16 @@ def test_the_relay_takes_requests_as_large_as_the_server_accepts(tmp_path):
         assert relay.max_frame > 1 << 30 > MAX_FRAME
     finally:
         relay.close()
+
+
+def test_the_api_process_imports_neither_torch_nor_transformers():
+    """It shows token strings from names the engine's process sends (render.TokenNames):
+    importing torch and transformers would triple its memory."""
+    check = (
+        "import sys, symbiont.serve.http.front as f; f.build_front(f.FrontConfig('127.0.0.1', "
+        "0, '/nonexistent', 1024)); heavy = {'torch', 'transformers'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr

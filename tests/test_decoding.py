@@ -238,12 +238,21 @@ def test_token_bytes_join_back_a_character_split_over_tokens(model_dir):
     """OpenAI's logprobs `bytes` exist to rebuild characters split over tokens: each
     token's own bytes, not the UTF-8 of U+FFFD its text alone decodes to."""
     from symbiont.decoding import token_bytes
-    from symbiont.serve.http.api import _Render
+    from symbiont.serve.http.render import Render, TokenNames, describe, token_names
     from symbiont.tenant import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     ids = tokenizer("héllo ✓", add_special_tokens=False).input_ids
     assert any(tokenizer.decode([i]) == "\ufffd" for i in ids), "no split character here"
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "héllo ✓".encode()
-    render = _Render(tokenizer, as_ids=False, logprobs=None, echo=False, prompts=(), texts=())
+    render = Render(tokenizer, as_ids=False, logprobs=None, echo=False, prompts=(), texts=())
     assert bytes(sum((render.bytes_of(i) for i in ids), [])) == "héllo ✓".encode()
+    # the API process of --api-process shows them from the names the engine's process sent
+    past = len(tokenizer) + 3  # an id of a padded embedding: no text
+    names = TokenNames()
+    names.update({**describe(tokenizer), "names": token_names(tokenizer, [*ids, past])})
+    relayed = Render(names, as_ids=False, logprobs=None, echo=False, prompts=(), texts=())
+    for i in [*ids, past]:
+        assert relayed.bytes_of(i) == render.bytes_of(i)
+        assert relayed.token(i) == render.token(i)
+    assert relayed.token(past) == f"token_id:{past}"

@@ -14,45 +14,22 @@ and exits non-zero).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from symbiont.serve.engine import Engine
 from symbiont.serve.sequence import Request, RequestOutput
+from symbiont.serve.stream import RequestStream, hand_over
 
 log = logging.getLogger(__name__)
 
 
 class EngineStopped(RuntimeError):
     """The engine thread has stopped (failed, or shut down); nothing more can be served."""
-
-
-class RequestStream:
-    """Outputs of one request, in order, ending with the one marked `finished`."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-    def put_threadsafe(self, output: RequestOutput) -> None:
-        _hand_over(self.loop, [(self, output)])
-
-    def put_nowait(self, output: RequestOutput) -> None:
-        """Only from the event loop's own thread."""
-        self._queue.put_nowait(output)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            output = await self._queue.get()
-            yield output
-            if output.finished:
-                return
 
 
 class RelayedStream:
@@ -241,21 +218,9 @@ class AsyncEngine:
             else:
                 by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
-            _hand_over(loop, items)
+            hand_over(loop, items)
         for sink, relayed in by_sink.items():
             sink.send(relayed)
-
-
-def _hand_over(
-    loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, RequestOutput]]
-) -> None:
-    with contextlib.suppress(RuntimeError):  # a closed loop: the server stopped
-        loop.call_soon_threadsafe(_put_each, items)
-
-
-def _put_each(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, output in items:
-        stream.put_nowait(output)
 
 
 def _settle(fn: Callable[[], Any], future: Future) -> None:

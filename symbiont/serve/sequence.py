@@ -9,10 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from symbiont.decoding import FinishReason, SamplingParams, TextTracker, TokenLogprob
+
+if TYPE_CHECKING:  # the API process imports this module without torch
+    import torch
 
 __all__ = [
     "FinishReason",

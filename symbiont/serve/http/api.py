@@ -10,27 +10,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from symbiont.decoding import InvalidSamplingParams, SamplingParams, token_bytes
+from symbiont.decoding import InvalidSamplingParams, SamplingParams
 from symbiont.serve.adapter_cache import AdapterFailed, AdapterState
 from symbiont.serve.adapters import AdapterError, AdapterNotFound
-from symbiont.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
+from symbiont.serve.async_engine import AsyncEngine, EngineStopped
 from symbiont.serve.engine import RequestError
 from symbiont.serve.http.jobs import mount_jobs, tenant_of
 from symbiont.serve.http.metrics import ServeMetrics
@@ -40,14 +36,21 @@ from symbiont.serve.http.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
     now,
-    usage,
 )
 from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, valid_relay_id
+from symbiont.serve.http.render import (
+    APIError,
+    BodyLimit,
+    Render,
+    View,
+    complete_response,
+    sse_events,
+    warm_imports_at_startup,
+)
 from symbiont.serve.scheduler import QueueFull
 from symbiont.serve.sequence import Request as EngineRequest
-from symbiont.serve.sequence import RequestOutput
+from symbiont.serve.stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +59,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param=None, code=None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = error_body(str(self), self.type, self.param, self.code)
-        return JSONResponse(body, status_code=self.status)
 
 
 @dataclass
@@ -182,21 +175,6 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def warm_imports_at_startup(app) -> None:
-    """anyio imports its asyncio backend at the first streamed response: 0.1-0.3 s holding
-    the GIL, during which the engine thread waited (the first requests' TTFT)."""
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(application):
-        async with anyio.create_task_group():
-            pass
-        async with inner(application) as maybe_state:
-            yield maybe_state
-
-    app.router.lifespan_context = lifespan
-
-
 # Tokenizing and rendering chat templates take seconds for a multi-megabyte prompt: on
 # the event loop that stalled every other client (streams, /health). One thread, so the
 # tokenizer is never used by two requests at once (transformers sets its truncation
@@ -255,16 +233,16 @@ async def _serve(
         for request in requests:
             request.adapter_counted = counted
         streams = await _submit_all(engine, requests, state.relay if relay_id else None)
-    view = _View(request_id, body.model, chat, body.n, now(), render)
+    view = View(request_id, body.model, chat, body.n, now(), render)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     if relay_id is not None:  # the API process shows the outputs (front.py)
         spec = view.spec([r.request_id for r in requests], body.stream, include_usage)
         return JSONResponse(spec, headers={SPEC_HEADER: "1"})
     count = _counter(state.metrics)
     if body.stream:
-        events = _sse(engine, streams, view, include_usage, count)
+        events = sse_events(engine, streams, view, include_usage, count)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(engine, streams, view, http, count)
+    return await complete_response(engine, streams, view, http, count)
 
 
 def _counter(metrics: ServeMetrics):
@@ -365,12 +343,12 @@ def _asked_logprobs(body, chat: bool) -> int | None:
     return body.logprobs
 
 
-def _render(engine: AsyncEngine, body, prompts, texts, chat: bool) -> _Render:
+def _render(engine: AsyncEngine, body, prompts, texts, chat: bool) -> Render:
     tokenizer = engine.engine.tokenizer
     echo = bool(getattr(body, "echo", False))
     if echo and texts is None:
         texts = [_decode(tokenizer, p) for p in prompts]
-    return _Render(
+    return Render(
         tokenizer,
         body.return_tokens_as_token_ids,
         _asked_logprobs(body, chat),
@@ -382,321 +360,6 @@ def _render(engine: AsyncEngine, body, prompts, texts, chat: bool) -> _Render:
 
 def _decode(tokenizer, ids: list[int]) -> str:
     return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _clamp(logprob: float) -> float:
-    """JSON has no -inf or NaN: a token the model rules out shows -9999.0, as in vLLM."""
-    return max(logprob, -9999.0) if logprob == logprob else -9999.0
-
-
-@dataclass(frozen=True)
-class _Render:
-    """How tokens and log-probabilities are shown, and the prompts for `echo`.
-
-    Token strings are each token decoded alone ("token_id:<id>" with
-    `return_tokens_as_token_ids`, without a tokenizer, or for an id past the tokenizer's
-    vocabulary, as in models whose embedding is padded). Completions use the legacy
-    shape (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} with the N
-    likeliest plus the chosen token, `text_offset` as the running sum of the token strings'
-    lengths from the choice's text start); chat uses `{"content": [{token, logprob, bytes,
-    top_logprobs}]}` with exactly the N likeliest. The first prompt token has no logprob."""
-
-    tokenizer: object | None
-    as_ids: bool
-    logprobs: int | None  # None: the response carries `logprobs: null`
-    echo: bool
-    prompts: tuple[tuple[int, ...], ...]
-    texts: tuple[str, ...]
-    names: dict = field(default_factory=dict, compare=False)  # token id -> string
-
-    def token(self, token_id: int) -> str:
-        name = self.names.get(token_id)
-        if name is None:
-            known = self.tokenizer is not None and token_id < len(self.tokenizer)
-            if self.as_ids or not known:  # ids past the tokenizer's vocabulary have no text
-                name = f"token_id:{token_id}"
-            else:
-                name = self.tokenizer.decode([token_id])
-            self.names[token_id] = name
-        return name
-
-    def bytes_of(self, token_id: int) -> list[int]:
-        """The token's own bytes (OpenAI's `bytes`: a character split over tokens joins
-        back from them), else the UTF-8 of its text."""
-        raw = None
-        if self.tokenizer is not None and not self.as_ids and token_id < len(self.tokenizer):
-            raw = token_bytes(self.tokenizer, token_id)
-        return list(raw if raw is not None else self.token(token_id).encode())
-
-    def completion(self, token_ids, entries, offset: int) -> tuple[dict, int]:
-        """Legacy completions logprobs of `token_ids` (entries: TokenLogprob or None each),
-        text offsets starting at `offset` -> (object, offset after the last token)."""
-        tokens, values, tops, offsets = [], [], [], []
-        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
-        for token_id, entry in zip(token_ids, entries, strict=True):
-            name = self.token(token_id)
-            tokens.append(name)
-            offsets.append(offset)
-            # a special token (the BOS the tokenizer adds) has no text in `text`
-            offset += 0 if token_id in special else len(name)
-            if entry is None:
-                values.append(None)
-                tops.append(None)
-                continue
-            values.append(_clamp(entry.logprob))
-            top = {self.token(t): _clamp(v) for t, v in entry.top}
-            top.setdefault(name, _clamp(entry.logprob))
-            tops.append(top)
-        body = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
-        return {**body, "text_offset": offsets}, offset
-
-    def chat(self, entries) -> dict:
-        return {"content": [self._chat_entry(e) for e in entries]}
-
-    def _chat_entry(self, entry) -> dict:
-        name = self.token(entry.token_id)
-        top = [
-            {"token": self.token(t), "logprob": _clamp(v), "bytes": self.bytes_of(t)}
-            for t, v in entry.top
-        ]
-        return {
-            "token": name,
-            "logprob": _clamp(entry.logprob),
-            "bytes": self.bytes_of(entry.token_id),
-            "top_logprobs": top,
-        }
-
-
-class _Choice:
-    """What one choice has produced so far."""
-
-    def __init__(self):
-        self.text, self.tokens, self.entries = "", [], []
-        self.finish = None
-
-    def add(self, delta) -> None:
-        self.text += delta.text
-        self.tokens += delta.token_ids
-        self.entries += delta.logprobs or [None] * len(delta.token_ids)
-        if delta.finish_reason:
-            self.finish = delta.finish_reason
-
-
-@dataclass(frozen=True)
-class _View:
-    """How engine outputs are shown: ids, object names, choice numbering, logprobs."""
-
-    id: str
-    model: str
-    chat: bool
-    n: int
-    created: int
-    render: _Render
-
-    def spec(self, request_ids: list[str], stream: bool, include_usage: bool) -> dict:
-        """Everything another process needs to show this request's outputs as this one
-        would (`symbiont serve --api-process`; `from_spec` reads it back)."""
-        render = self.render
-        return {
-            "request_ids": request_ids,
-            "stream": bool(stream),
-            "include_usage": include_usage,
-            "view": [self.id, self.model, self.chat, self.n, self.created],
-            "render": [
-                render.as_ids,
-                render.logprobs,
-                render.echo,
-                [list(p) for p in render.prompts],
-                list(render.texts),
-            ],
-        }
-
-    @classmethod
-    def from_spec(cls, spec: dict, tokenizer) -> _View:
-        as_ids, logprobs, echo, prompts, texts = spec["render"]
-        render = _Render(
-            tokenizer, as_ids, logprobs, echo, tuple(tuple(p) for p in prompts), tuple(texts)
-        )
-        return cls(*spec["view"], render)
-
-    def chunk(self, choices: list[dict]) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def echoed(self, i: int, text: str, tokens, entries, prompt_logprobs) -> tuple:
-        """The prompt put before a completion's text, tokens and logprobs (with `echo`)."""
-        if not self.render.echo:
-            return text, list(tokens), list(entries)
-        prompt = self.render.prompts[i]
-        scored = list(prompt_logprobs) if prompt_logprobs else [None] * len(prompt)
-        return self.render.texts[i] + text, [*prompt, *tokens], [*scored, *entries]
-
-    def logprobs(self, tokens, entries, offset: int = 0) -> tuple[dict | None, int]:
-        if self.render.logprobs is None:
-            return None, offset
-        if self.chat:
-            return self.render.chat(entries), offset
-        return self.render.completion(tokens, entries, offset)
-
-    def delta_choice(
-        self, index: int, text: str, finish: str | None, first: bool, logprobs=None
-    ) -> dict:
-        if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they come."""
-    if len(streams) == 1:  # the common request: no pump task and second queue per token
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        async for output in stream:
-            await queue.put((i, output))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        for _ in streams:
-            while True:
-                i, output = await queue.get()
-                yield i, output
-                if output.finished:
-                    break
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _sse(engine, streams, view: _View, include_usage: bool, count) -> AsyncIterator[str]:
-    """The SSE events of a streamed request; `engine` has `abort(request_id)`, and
-    `count(outcome)` counts how the HTTP request ended."""
-    offsets, totals, prompt_logprobs = {}, {}, {}
-    outcome = "disconnected"  # counted once per HTTP request, as for non-streamed ones
-    try:
-        async for i, output in _merged(streams):
-            if output.error:
-                outcome = "error"
-                yield _event(error_body(output.error, "internal_error"))
-                break
-            if output.prompt_logprobs is not None:
-                prompt_logprobs[i] = output.prompt_logprobs
-            choices = []
-            for delta in output.deltas:
-                index = i * view.n + delta.index
-                first = index not in offsets
-                text, tokens = delta.text, delta.token_ids
-                entries = delta.logprobs or [None] * len(tokens)
-                if first:
-                    text, tokens, entries = view.echoed(
-                        i, text, tokens, entries, prompt_logprobs.get(i)
-                    )
-                logprobs, offsets[index] = view.logprobs(tokens, entries, offsets.get(index, 0))
-                choices.append(
-                    view.delta_choice(index, text, _finish(delta.finish_reason), first, logprobs)
-                )
-            if choices:
-                yield _event(view.chunk(choices))
-            if output.finished:
-                totals[i] = (output.prompt_tokens, output.completion_tokens)
-        else:
-            outcome = "ok"
-        if include_usage:
-            prompt, completion = (
-                (sum(t) for t in zip(*totals.values(), strict=True)) if totals else (0, 0)
-            )
-            yield _event({**view.chunk([]), "usage": usage(prompt, completion)})
-        yield "data: [DONE]\n\n"
-    finally:  # client gone or stream done: stop whatever is still generating
-        count(outcome)
-        for stream in streams:
-            engine.abort(stream.request_id)
-
-
-async def _complete(engine, streams, view: _View, http: Request, count) -> dict:
-    """The one JSON answer of a request that is not streamed; `engine` has `abort`,
-    `alive` and `_why_stopped()`, `count(outcome)` counts how it ended."""
-    gather = asyncio.ensure_future(_collect(streams))
-    try:
-        while not gather.done():
-            await asyncio.wait({gather}, timeout=0.25)
-            if not gather.done() and await http.is_disconnected():
-                count("disconnected")
-                raise APIError(499, "client disconnected", "client_closed_request")
-        choices_by_key, prompt_logprobs, totals, error = gather.result()
-    finally:
-        gather.cancel()
-        for stream in streams:
-            engine.abort(stream.request_id)
-    if error:
-        count("error")
-        raise APIError(500, error, "internal_error")
-    cut = [c for c in choices_by_key.values() if c.finish is None or str(c.finish) == "abort"]
-    if cut and not engine.alive:
-        # the server shut down under it (SIGTERM past the grace period): not an answer
-        count("error")
-        raise APIError(503, engine._why_stopped(), "service_unavailable", code="shutting_down")
-    count("ok")
-    choices = []
-    for (i, j), choice in sorted(choices_by_key.items()):
-        index = i * view.n + j
-        finish = _finish(choice.finish)
-        text, tokens, entries = view.echoed(
-            i, choice.text, choice.tokens, choice.entries, prompt_logprobs.get(i)
-        )
-        logprobs, _ = view.logprobs(tokens, entries)
-        if view.chat:
-            message = {"role": "assistant", "content": text}
-            choices.append(
-                {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-            )
-        else:
-            choices.append(
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            )
-    obj = "chat.completion" if view.chat else "text_completion"
-    prompt = sum(t[0] for t in totals.values())
-    completion = sum(t[1] for t in totals.values())
-    return {
-        "id": view.id,
-        "object": obj,
-        "created": view.created,
-        "model": view.model,
-        "choices": choices,
-        "usage": usage(prompt, completion),
-    }
-
-
-async def _collect(streams):
-    choices, prompt_logprobs, totals, error = {}, {}, {}, None
-    async for i, output in _merged(streams):
-        if output.prompt_logprobs is not None:
-            prompt_logprobs[i] = output.prompt_logprobs
-        for delta in output.deltas:
-            choices.setdefault((i, delta.index), _Choice()).add(delta)
-        if output.error:
-            error = output.error
-        if output.finished:
-            totals[i] = (output.prompt_tokens, output.completion_tokens)
-    return choices, prompt_logprobs, totals, error
-
-
-def _finish(reason) -> str | None:
-    return None if reason is None else str(reason)
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 # -- models, prompts --------------------------------------------------------------------
@@ -1022,55 +685,6 @@ def _adapter_path(root: str | None, given: str) -> str:
             "adapter_path_forbidden",
         )
     return resolved
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read.
-
-    A declared Content-Length over the limit is refused at once; otherwise the body is
-    read chunk by chunk (so chunked uploads count too) and refused as soon as it passes
-    the limit, then replayed to the app. At most `max_bytes` are ever held."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._refuse(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: wait for a disconnect
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = (
-            f"the request body is larger than this server accepts ({self.max_bytes} bytes); "
-            "send a smaller one, or start the server with a larger --max-request-bytes"
-        )
-        response = APIError(413, message, "invalid_request_error", code="request_too_large")
-        response = response.response()
-        response.headers["connection"] = "close"
-        await response(scope, receive, send)
 
 
 def _needs_key(path: str) -> bool:

@@ -44,17 +44,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from symbiont.serve.async_engine import RequestStream
-from symbiont.serve.http.api import (
-    APIError,
-    BodyLimit,
-    _complete,
-    _sse,
-    _View,
-    warm_imports_at_startup,
-)
 from symbiont.serve.http.protocol import error_body
 from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, FrontRelay
+from symbiont.serve.http.render import (
+    APIError,
+    BodyLimit,
+    View,
+    complete_response,
+    sse_events,
+    warm_imports_at_startup,
+)
+from symbiont.serve.stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ class FrontConfig:
     host: str
     port: int
     folder: str  # the private folder holding api.sock and relay.sock
-    model: str  # the checkpoint folder: its tokenizer names tokens in logprobs
     max_request_bytes: int
     log_level: str = "info"
 
@@ -101,7 +100,7 @@ class _RelayedEngine:
         return "the server is shutting down; retry on another replica or after it restarts"
 
 
-def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
+def build_front(config: FrontConfig) -> tuple[Starlette, dict]:
     """The API process's app; its `state` holds the relay and HTTP client once started."""
     state: dict = {}
     folder = Path(config.folder)
@@ -139,8 +138,10 @@ def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
         spec = json.loads(body)
         loop = asyncio.get_running_loop()
         streams = relay.attach(relay_id, spec["request_ids"], lambda rid: RequestStream(rid, loop))
+        relay.names.update(spec["tokenizer"])
+        tokenizer = relay.names if spec["tokenizer"] is not None else None
         engine = _RelayedEngine(relay, state["stopping"])
-        return await _show(engine, streams, _View.from_spec(spec, tokenizer), spec, request)
+        return await _show(engine, streams, View.from_spec(spec, tokenizer), spec, request)
 
     async def forwarded(request: Request) -> Response:
         try:
@@ -171,15 +172,15 @@ def build_front(config: FrontConfig, tokenizer) -> tuple[Starlette, dict]:
     return app, state
 
 
-async def _show(engine: _RelayedEngine, streams, view: _View, spec: dict, request: Request):
+async def _show(engine: _RelayedEngine, streams, view: View, spec: dict, request: Request):
     def count(outcome: str) -> None:
         engine.relay.done([], outcome)
 
     if spec["stream"]:
-        events = _sse(engine, streams, view, spec["include_usage"], count)
+        events = sse_events(engine, streams, view, spec["include_usage"], count)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
-        return JSONResponse(await _complete(engine, streams, view, request, count))
+        return JSONResponse(await complete_response(engine, streams, view, request, count))
     except APIError as err:
         return err.response()
 
@@ -231,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     config = FrontConfig(**json.loads(args[0]))
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request
-    from symbiont.tenant import load_tokenizer
-
-    tokenizer = load_tokenizer(config.model, required=False)
-    app, state = build_front(config, tokenizer)
+    app, state = build_front(config)
     server = _FrontServer(
         uvicorn.Config(
             app,
@@ -292,9 +290,9 @@ class FrontProcess:
     API process runs in a session of its own, so a terminal's Ctrl-C reaches only the
     engine's process, which then stops it after the streams in flight have ended."""
 
-    def __init__(self, host: str, port: int, model: str, max_request_bytes: int, log_level: str):
+    def __init__(self, host: str, port: int, max_request_bytes: int, log_level: str):
         self.folder = tempfile.mkdtemp(prefix="symbiont-api-")  # created 0700
-        self.config = FrontConfig(host, port, self.folder, model, max_request_bytes, log_level)
+        self.config = FrontConfig(host, port, self.folder, max_request_bytes, log_level)
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self.stopping = False  # stop() was called: its exit is expected

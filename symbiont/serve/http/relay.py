@@ -38,6 +38,7 @@ from collections.abc import Callable
 import msgpack
 
 from symbiont.decoding import FinishReason, TokenLogprob
+from symbiont.serve.http.render import TokenNames, token_names
 from symbiont.serve.sequence import RequestOutput, SeqDelta
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,21 @@ def _unlogprob(raw) -> TokenLogprob | None:
     return TokenLogprob(token_id, logprob, rank, tuple((t, v) for t, v in top))
 
 
-def encode_outputs(outputs: list[RequestOutput]) -> bytes:
+def logprob_ids(outputs: list[RequestOutput]) -> list[int]:
+    """The tokens whose strings showing these outputs' log-probabilities takes."""
+    ids = []
+    for output in outputs:
+        entries = [e for d in output.deltas for e in d.logprobs or ()]
+        entries += [e for e in output.prompt_logprobs or () if e is not None]
+        for entry in entries:
+            ids.append(entry.token_id)
+            ids.extend(t for t, _ in entry.top)
+    return ids
+
+
+def encode_outputs(outputs: list[RequestOutput], names: list | None = None) -> bytes:
+    """One frame: the outputs, and the token strings (`render.token_names`) the API
+    process has not been sent yet."""
     body = [
         [
             o.request_id,
@@ -87,12 +102,12 @@ def encode_outputs(outputs: list[RequestOutput]) -> bytes:
         ]
         for o in outputs
     ]
-    return frame(body)
+    return frame({"outputs": body, "names": names or []})
 
 
 def decode_outputs(body) -> list[RequestOutput]:
     outputs = []
-    for request_id, deltas, prompt, completion, finished, error, prompt_lps in body:
+    for request_id, deltas, prompt, completion, finished, error, prompt_lps in body["outputs"]:
         outputs.append(
             RequestOutput(
                 request_id,
@@ -151,6 +166,8 @@ class CoreRelay:
         self._on_lost = on_lost
         self.app = None  # the ASGI app that answers calls, and its loop (`serve_calls`)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.tokenizer = None  # the engine's: names the tokens of log-probabilities
+        self._named: set[int] = set()  # token ids whose strings the API process has
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(1)
@@ -165,14 +182,27 @@ class CoreRelay:
         self.app, self.loop = app, loop
 
     def send(self, outputs: list[RequestOutput]) -> None:
-        """From the engine thread (or whoever fails requests): one frame, written now."""
-        self._write(encode_outputs(outputs))
+        """From the engine thread (or whoever fails requests): one frame, written now,
+        with the strings of tokens it shows log-probabilities of that were not sent yet
+        (claimed and written under one lock: no frame can name a token before the frame
+        carrying its string)."""
+        ids = logprob_ids(outputs)
+        with self._send_lock:
+            names = []
+            if ids and self.tokenizer is not None:
+                names = token_names(self.tokenizer, set(ids) - self._named)
+                self._named.update(t for t, _, _ in names)
+            self._write_locked(encode_outputs(outputs, names))
 
     def _write(self, data: bytes) -> None:
+        with self._send_lock:
+            self._write_locked(data)
+
+    def _write_locked(self, data: bytes) -> None:
         conn = self._conn
         if conn is None:
             return
-        with self._send_lock, contextlib.suppress(OSError):  # gone: _serve reports it
+        with contextlib.suppress(OSError):  # gone: _serve reports it
             conn.sendall(data)
 
     def close(self) -> None:
@@ -301,6 +331,7 @@ class FrontRelay:
         self._streams: dict[str, object] = {}  # request id -> RequestStream
         self._early: dict[str, dict[str, list[RequestOutput]]] = {}  # relay id -> by request
         self._replies: dict[str, asyncio.Future] = {}  # relay id -> the answer to its call
+        self.names = TokenNames()  # what stands in for the tokenizer (render.py)
         self._task: asyncio.Task | None = None
 
     async def connect(self) -> None:
@@ -374,13 +405,14 @@ class FrontRelay:
                 if size > MAX_FRAME:
                     raise ValueError(f"frame of {size} bytes")
                 body = _unpack(await reader.readexactly(size))
-                if isinstance(body, dict):  # the answer to a call
+                if "reply" in body:  # the answer to a call (else: outputs)
                     reply = self._replies.get(body["reply"])
                     if reply is not None and not reply.done():
                         reply.set_result((body["status"], body["headers"], body["body"]))
                     else:
                         self._abort_unread(body)
                     continue
+                self.names.update({"names": body["names"]})
                 for output in decode_outputs(body):
                     self._route(output)
         except asyncio.IncompleteReadError:

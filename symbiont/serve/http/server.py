@@ -71,6 +71,8 @@ def load_engine(
         cache = engine.attach_adapter_dir(config.adapter_dir)
         log.info("serving %d adapter folders of %s on demand", len(cache.names()), cache.root)
     state.metrics.attach(engine)
+    if state.relay is not None:  # --api-process: it names tokens for the API process
+        state.relay.tokenizer = engine.tokenizer
     state.engine = AsyncEngine(engine, on_failure).start()
     return state.engine
 
@@ -197,9 +199,7 @@ def _front(
     to, in `state.relay`; the API process's requests end through `on_done`."""
     if not config.api_process:
         return None
-    front = FrontProcess(
-        config.host, config.port, config.model, config.max_request_bytes, log_level
-    )
+    front = FrontProcess(config.host, config.port, config.max_request_bytes, log_level)
 
     def on_done(request_ids: list[str], outcome: str | None) -> None:  # the relay's thread
         if state.engine is not None:
