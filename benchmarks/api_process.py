@@ -1,10 +1,10 @@
-"""`symbiont serve --api-process` against `symbiont serve`, in one run (issue 17).
+"""`symbiont serve` (its API process) against `symbiont serve --no-api-process`, in one run.
 
 Both servers are started in turn on the same checkpoint, limits and thread count, and
 replay the same seeded streaming traces as `benchmarks/peers/vllm_cpu.py` (its load
 generator and checkpoints are reused: base model, closed loop with --users clients and
 Poisson arrivals, short and long prompts). Each round runs every scenario on both
-servers, alternating which goes first; the ratios are `--api-process / in-process`
+servers, alternating which goes first; the ratios are `API process / in-process`
 per round (throughput: above 1 is better; TTFT, ITL: below 1 is better).
 
     python benchmarks/api_process.py --model small --rounds 2
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
         for system in order:
             port = harness.free_port()
             command = harness.symbiont_command(model, [], port, lim)
-            if system == "api-process":
-                command.append("--api-process")
+            if system == "in-process":
+                command.append("--no-api-process")
             log = args.out / f"{system}-{r}.log"
             env = harness.server_env(args.threads, peer=False)
             with harness.running_server(system, command, env, port, log, 600) as url:
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         for s in scenarios:
             ours, base = measured[(s, "api-process")], measured[(s, "in-process")]
             ratios[s].append({m: ours[m] / base[m] for m in harness.METRICS})
-    print("\n--api-process / in-process, median over rounds (per-round values in brackets)")
+    print("\nAPI process / in-process, median over rounds (per-round values in brackets)")
     print(f"{'scenario':<24} {'throughput':>22} {'TTFT p50':>22} {'ITL p50':>22} {'ITL p99':>22}")
     for s in scenarios:
         cells = []

@@ -1,4 +1,5 @@
-"""`symbiont serve --api-process`: HTTP in a second process, outputs over the relay.
+"""`symbiont serve`'s API process (the default; `--no-api-process` turns it off): HTTP
+in a second process, outputs over the relay.
 
 The OpenAI API through the API process is tested by the `[api-process]` runs of
 test_serve_api.py, test_logprobs_api.py and test_http_hostile.py (responses equal to
@@ -111,7 +112,7 @@ def _front_of(process: subprocess.Popen) -> int:
     for pid in _children(process.pid):
         if b"symbiont.serve.http.front" in Path(f"/proc/{pid}/cmdline").read_bytes():
             return pid
-    raise AssertionError("serve --api-process has no API process")
+    raise AssertionError("symbiont serve has no API process")
 
 
 def _gone(pid: int, within: float) -> bool:
@@ -129,7 +130,7 @@ def _gone(pid: int, within: float) -> bool:
 
 def test_serve_exits_non_zero_when_its_api_process_dies(model_dir, tmp_path):
     log = tmp_path / "serve.log"
-    with serve(model_dir, "pass", log, ("--api-process",)) as (process, url):
+    with serve(model_dir, "pass", log) as (process, url):
         assert httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}).is_success
         os.kill(_front_of(process), signal.SIGKILL)
         try:
@@ -142,7 +143,7 @@ def test_serve_exits_non_zero_when_its_api_process_dies(model_dir, tmp_path):
 
 def test_the_api_process_stops_and_cleans_up_when_serve_is_killed(model_dir, tmp_path):
     log = tmp_path / "serve.log"
-    with serve(model_dir, "pass", log, ("--api-process",)) as (process, url):
+    with serve(model_dir, "pass", log) as (process, url):
         front = _front_of(process)
         folder = Path(_cmdline_json(front)["folder"])  # the private folder of its sockets
         process.kill()
@@ -164,7 +165,7 @@ def test_serve_names_a_port_already_taken(model_dir):
         port = taken.getsockname()[1]
         argv = [
             sys.executable, "-m", "symbiont", "serve", "--model", str(model_dir),
-            "--port", str(port), "--api-process",
+            "--port", str(port),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)

@@ -247,7 +247,7 @@ def test_token_bytes_join_back_a_character_split_over_tokens(model_dir):
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == "héllo ✓".encode()
     render = Render(tokenizer, as_ids=False, logprobs=None, echo=False, prompts=(), texts=())
     assert bytes(sum((render.bytes_of(i) for i in ids), [])) == "héllo ✓".encode()
-    # the API process of --api-process shows them from the names the engine's process sent
+    # the API process of symbiont serve shows them from the names the engine's process sent
     past = len(tokenizer) + 3  # an id of a padded embedding: no text
     names = TokenNames()
     names.update({**describe(tokenizer), "names": token_names(tokenizer, [*ids, past])})

@@ -130,7 +130,7 @@ def test_threads_flag_refuses_zero(model_dir):
     assert "--threads must be >= 1, got 0" in done.stderr
 
 
-@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+@pytest.mark.parametrize("extra", [("--no-api-process",), ()], ids=["in-process", "api-process"])
 def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_path, extra):
     log = tmp_path / "serve.log"
     with serve(model_dir, SLOW, log, extra) as (process, url):
@@ -173,7 +173,7 @@ def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_p
     assert lines[-1] == "data: [DONE]", lines[-3:]
 
 
-@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+@pytest.mark.parametrize("extra", [("--no-api-process",), ()], ids=["in-process", "api-process"])
 def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path, extra):
     """A second Ctrl-C makes uvicorn skip the app's shutdown; asyncio then cancelled it
     at exit and uvicorn logged that as "Exception in 'lifespan' protocol" with a
@@ -194,7 +194,7 @@ def test_ctrl_c_twice_stops_serve_without_a_traceback(model_dir, tmp_path, extra
     assert code in (0, 130), text  # 130: Python's SIGINT handler raised KeyboardInterrupt
 
 
-@pytest.mark.parametrize("extra", [(), ("--api-process",)], ids=["in-process", "api-process"])
+@pytest.mark.parametrize("extra", [("--no-api-process",), ()], ids=["in-process", "api-process"])
 def test_serve_exits_non_zero_when_the_engine_cannot_go_on(model_dir, tmp_path, extra):
     log = tmp_path / "serve.log"
     with serve(model_dir, FAILING, log, extra) as (process, url):

@@ -588,7 +588,7 @@ def main(argv=None) -> int:
         "--symbiont-flags",
         type=str.split,
         default=[],
-        help="more flags for symbiont serve, in one quoted argument, e.g. '--api-process'",
+        help="more flags for symbiont serve, in one quoted argument, e.g. '--no-api-process'",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results", help="table, JSON, plot, logs")

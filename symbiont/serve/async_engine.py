@@ -33,7 +33,7 @@ class EngineStopped(RuntimeError):
 
 
 class RelayedStream:
-    """Outputs of one request that another process shows (`symbiont serve --api-process`):
+    """Outputs of one request that another process shows (the API process of `symbiont serve`):
     the engine thread writes them to `sink` (a `CoreRelay`) without waking the event loop."""
 
     def __init__(self, request_id: str, sink):
@@ -74,7 +74,7 @@ class AsyncEngine:
 
     @property
     def relayed(self) -> int:
-        """Requests in flight whose outputs another process shows (`--api-process`)."""
+        """Requests in flight whose outputs another process shows (the API process)."""
         return sum(isinstance(s, RelayedStream) for s in list(self._streams.values()))
 
     @property

@@ -397,11 +397,13 @@ class ServerConfig:
         },
     )
     api_process: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "answer HTTP in a second process, which streams the engine's outputs to "
-            "clients while the engine's process only computes: shorter decode steps under "
-            "many streams, most with small models (docs/serving.md)"
+            "flag": "--no-api-process",
+            "help": "answer HTTP in this process, beside the engine, instead of in a second "
+            "process (the default) that streams the engine's outputs to clients: one process "
+            "and no hop between two, but the HTTP work then takes the engine thread's GIL "
+            "(docs/serving.md, Threads)",
         },
     )
     engine: EngineConfig = field(default_factory=EngineConfig)

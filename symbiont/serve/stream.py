@@ -1,7 +1,7 @@
 """One request's outputs as an asyncio stream, filled from another thread.
 
-Kept apart from the engine (no torch here) so that the API process of `symbiont serve
---api-process` (`symbiont/serve/http/front.py`) uses the same streams without importing it.
+Kept apart from the engine (no torch here) so that the API process of `symbiont serve`
+(`symbiont/serve/http/front.py`) uses the same streams without importing it.
 """
 
 from __future__ import annotations

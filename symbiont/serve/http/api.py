@@ -75,7 +75,7 @@ class ServerState:
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None
-    relay: object | None = None  # CoreRelay with --api-process: outputs go to that process
+    relay: object | None = None  # CoreRelay of the API process: outputs go there
     # adapter name -> the tenant whose POST /v1/adapters loaded it: with --tenants only
     # that tenant may unload it (what the operator loaded at start serves every tenant)
     loaded_by: dict[str, str] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The API process of `symbiont serve --api-process`: HTTP and streaming on another core.
+"""The API process of `symbiont serve`: HTTP and streaming on another core.
 
 `symbiont serve` answers HTTP on the engine's process by default. Every token a client
 streams then costs that process's event loop some Python (JSON, SSE framing, a socket
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1 or args[0].startswith("-"):
         print(
-            "this is the API process of `symbiont serve --api-process`, which starts it; "
+            "this is the API process of `symbiont serve`, which starts it; "
             "run that command instead",
             file=sys.stderr,
         )

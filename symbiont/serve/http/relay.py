@@ -1,6 +1,7 @@
-"""The channel between the engine's process and the API process (`symbiont serve --api-process`).
+"""The channel between the engine's process and the API process (`symbiont serve`,
+unless `--no-api-process`).
 
-With `--api-process`, the OpenAI-compatible endpoints are answered by a second process
+By default, the OpenAI-compatible endpoints are answered by a second process
 (`symbiont.serve.http.front`) so that the per-token work of streaming (JSON, SSE framing,
 one socket write per client) runs on another core, under another GIL, instead of taking
 the engine thread's GIL between its tensor operations (BENCHMARKS.md, issue 17). The two

@@ -1,9 +1,9 @@
 """How engine outputs become OpenAI responses, shared by both processes of `symbiont serve`.
 
-`api.py` (the engine's process) and `front.py` (the API process of `--api-process`) show
+`api.py` (the engine's process) and `front.py` (the API process, unless `--no-api-process`) show
 a request's outputs with the same code: `View` and `Render` (choices, log-probabilities,
-echo), `sse_events` (streamed) and `complete_response` (one JSON answer). With
-`--api-process` the API process has no tokenizer (loading one imports torch and
+echo), `sse_events` (streamed) and `complete_response` (one JSON answer). The API
+process has no tokenizer (loading one imports torch and
 transformers); `TokenNames` then stands in for it, filled with the token strings the
 engine's process sends (`token_names`). Also here: `APIError`, the `BodyLimit` middleware
 and `warm_imports_at_startup`. Nothing here imports torch.
@@ -150,7 +150,7 @@ class View:
 
     def spec(self, request_ids: list[str], stream: bool, include_usage: bool) -> dict:
         """Everything another process needs to show this request's outputs as this one
-        would (`symbiont serve --api-process`; `from_spec` reads it back)."""
+        would (the API process; `from_spec` reads it back)."""
         render = self.render
         table = describe(render.tokenizer)
         if table is not None and render.echo and render.logprobs is not None:

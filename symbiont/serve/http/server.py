@@ -71,7 +71,7 @@ def load_engine(
         cache = engine.attach_adapter_dir(config.adapter_dir)
         log.info("serving %d adapter folders of %s on demand", len(cache.names()), cache.root)
     state.metrics.attach(engine)
-    if state.relay is not None:  # --api-process: it names tokens for the API process
+    if state.relay is not None:  # it names tokens for the API process
         state.relay.tokenizer = engine.tokenizer
     state.engine = AsyncEngine(engine, on_failure).start()
     return state.engine
@@ -195,7 +195,7 @@ def _front(
     on_lost: Callable[[str], None],
     log_level: str = "info",
 ) -> FrontProcess | None:
-    """With --api-process: the API process (not started yet) and the relay it connects
+    """Unless --no-api-process: the API process (not started yet) and the relay it connects
     to, in `state.relay`; the API process's requests end through `on_done`."""
     if not config.api_process:
         return None
