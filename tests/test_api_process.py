@@ -257,3 +257,54 @@ def test_the_api_process_imports_neither_torch_nor_transformers():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
+
+
+def test_forwarded_requests_keep_their_path_and_query_as_sent():
+    """Routes other than completions are forwarded over HTTP; a query decoded and encoded
+    again would change what the app sees (`%20` into `+`, `x` into `x=`)."""
+    from starlette.requests import Request
+
+    from symbiont.serve.http.front import _forward
+
+    seen = []
+
+    def engine_process(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.raw_path, request.headers.get("x-symbiont-relay")))
+        return httpx.Response(200, json={"ok": True})
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/files/a b",
+        "raw_path": b"/v1/files/a%20b",
+        "query_string": b"a=%20b+c&x",
+        "headers": [(b"x-symbiont-relay", b"cmpl-" + b"f" * 32), (b"accept", b"*/*")],
+    }
+
+    async def body():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def main():
+        transport = httpx.MockTransport(engine_process)
+        async with httpx.AsyncClient(transport=transport, base_url="http://symbiont") as client:
+            answer = await _forward(client, Request(scope, body))
+            await answer.aclose()
+
+    asyncio.run(main())
+    assert seen == [(b"/v1/files/a%20b?a=%20b+c&x", None)]  # and the relay header dropped
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "PUT"])
+def test_odd_paths_and_methods_are_answered_by_the_app_as_in_one_process(model_dir, method):
+    """The API process answers nothing itself but completions: a path with a newline, or a
+    method no route takes, gets the app's answer (found by the schemathesis fuzz test)."""
+    answers = []
+    for api_process in (False, True):
+        config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE, api_process=api_process)
+        with BackgroundServer(config) as server:
+            for path in ("/v1/no%0Asuch/thing", "/v1/completions"):
+                answer = httpx.request(method, f"{server.url}{path}", timeout=30)
+                answers.append((api_process, path, answer.status_code, answer.content))
+    in_process, relayed = answers[:2], answers[2:]
+    assert [a[2:] for a in in_process] == [a[2:] for a in relayed], answers
+    assert all(status in (404, 405) for _, _, status, _ in answers), answers

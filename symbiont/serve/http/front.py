@@ -42,7 +42,6 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from symbiont.serve.http.protocol import error_body
 from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, FrontRelay
@@ -79,9 +78,9 @@ class FrontConfig:
 
 
 class _RelayedEngine:
-    """What `_sse` and `_complete` ask of the engine, over the relay; `stopping()` says
-    whether this process was told to stop (then requests cut short are answered 503, as
-    the engine's process answers them when it stops)."""
+    """What `sse_events` and `complete_response` ask of the engine, over the relay;
+    `stopping()` says whether this process was told to stop (then requests cut short are
+    answered 503, as the engine's process answers them when it stops)."""
 
     def __init__(self, relay: FrontRelay, stopping):
         self.relay = relay
@@ -161,15 +160,31 @@ def build_front(config: FrontConfig) -> tuple[Starlette, dict]:
             await relay.connect()
             yield
 
-    routes = [
-        Route("/v1/completions", relayed, methods=["POST"]),
-        Route("/v1/chat/completions", relayed, methods=["POST"]),
-        Route("/{path:path}", forwarded, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app = Starlette(lifespan=lifespan)
+    app.add_middleware(_Dispatch, relayed=relayed, forwarded=forwarded)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost
     warm_imports_at_startup(app)
     return app, state
+
+
+RELAYED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _Dispatch:
+    """Every HTTP request to one of two handlers, whatever its method and path: completions
+    relayed, the rest forwarded. (A router would answer some itself: its path pattern
+    does not match a newline, so a 404 in its own shape, not the app's.)"""
+
+    def __init__(self, app, relayed, forwarded):
+        self.app, self.relayed, self.forwarded = app, relayed, forwarded
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        relay = scope["method"] == "POST" and scope["path"] in RELAYED_PATHS
+        request = Request(scope, receive)
+        response = await (self.relayed if relay else self.forwarded)(request)
+        await response(scope, receive, send)
 
 
 async def _show(engine: _RelayedEngine, streams, view: View, spec: dict, request: Request):
@@ -185,17 +200,15 @@ async def _show(engine: _RelayedEngine, streams, view: View, spec: dict, request
         return err.response()
 
 
-async def _forward(client: httpx.AsyncClient, request: Request, extra=None) -> httpx.Response:
-    """`request` sent on to the engine process (its body is at most --max-request-bytes:
-    BodyLimit read it); its answer is streamed back."""
+async def _forward(client: httpx.AsyncClient, request: Request) -> httpx.Response:
+    """`request` sent on to the engine process as it came: path and query unchanged (not
+    decoded and encoded again), its body at most --max-request-bytes (BodyLimit read it).
+    Its answer is streamed back."""
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
-    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()
+    url = httpx.URL(raw_path.decode("latin-1"), query=request.scope.get("query_string", b""))
     upstream = client.build_request(
-        request.method,
-        request.url.path,
-        params=request.url.query.encode("latin-1") if request.url.query else None,
-        headers=headers,
-        content=await request.body(),
+        request.method, url, headers=headers, content=await request.body()
     )
     return await client.send(upstream, stream=True)
 
