@@ -279,11 +279,14 @@ def _uvicorn_config(
 ) -> uvicorn.Config:
     # with an API process, this one listens only on a unix socket in its private folder
     # (the API process logs each request: this one would log them again, without client)
+    # (and its own start-up lines would name a socket nobody but that process may use)
     where = (
-        {"uds": front.api_socket, "access_log": False}
+        {"uds": front.api_socket, "access_log": False, "log_level": "warning"}
         if front
         else {"host": config.host, "port": config.port}
     )
+    if front:
+        kw.pop("log_level", None)
     return uvicorn.Config(
         build_app(state), timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **where, **kw
     )
