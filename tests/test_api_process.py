@@ -269,16 +269,21 @@ def test_forwarded_requests_keep_their_path_and_query_as_sent():
     seen = []
 
     def engine_process(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.raw_path, request.headers.get("x-symbiont-relay")))
+        relay_header = request.headers.get("x-symbiont-relay")
+        seen.append((request.url.raw_path, relay_header, request.headers["host"]))
         return httpx.Response(200, json={"ok": True})
 
     scope = {
         "type": "http",
         "method": "GET",
-        "path": "/v1/files/a b",
-        "raw_path": b"/v1/files/a%20b",
-        "query_string": b"a=%20b+c&x",
-        "headers": [(b"x-symbiont-relay", b"cmpl-" + b"f" * 32), (b"accept", b"*/*")],
+        "path": "//v1/files/a b",
+        "raw_path": b"//v1/files/a%20b",
+        "query_string": b"a=%20b+c&x&e=\xc3\xa9&f=\xff",
+        "headers": [
+            (b"x-symbiont-relay", b"cmpl-" + b"f" * 32),
+            (b"accept", b"*/*"),
+            (b"host", b"example.test:8000"),
+        ],
     }
 
     async def body():
@@ -291,7 +296,9 @@ def test_forwarded_requests_keep_their_path_and_query_as_sent():
             await answer.aclose()
 
     asyncio.run(main())
-    assert seen == [(b"/v1/files/a%20b?a=%20b+c&x", None)]  # and the relay header dropped
+    # bytes outside ASCII percent-encoded, nothing else changed; the relay header dropped,
+    # the client's Host kept (redirects name it)
+    assert seen == [(b"//v1/files/a%20b?a=%20b+c&x&e=%C3%A9&f=%FF", None, "example.test:8000")]
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "PUT"])
@@ -308,3 +315,47 @@ def test_odd_paths_and_methods_are_answered_by_the_app_as_in_one_process(model_d
     in_process, relayed = answers[:2], answers[2:]
     assert [a[2:] for a in in_process] == [a[2:] for a in relayed], answers
     assert all(status in (404, 405) for _, _, status, _ in answers), answers
+
+
+def test_huge_headers_are_refused_and_the_server_goes_on(model_dir):
+    """The API process copies a completion's headers into a relay frame: beyond a bound it
+    answers 431 itself rather than pass on a frame the engine's process would refuse."""
+    config = ServerConfig(model=str(model_dir), port=0, engine=ENGINE)
+    with BackgroundServer(config) as server:
+        huge = {"x-filler": "a" * (2 << 20)}
+        body = {**LONG, "max_tokens": 2}
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, headers=huge, timeout=60)
+        assert refused.status_code == 431, refused.text
+        assert refused.json()["error"]["code"] == "headers_too_large"
+        after = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert after.status_code == 200, after.text
+        assert server.state.engine.alive
+
+
+def test_a_frame_over_the_limit_fails_only_its_request():
+    from symbiont.serve.http.relay import FrameTooLarge
+
+    relay = FrontRelay("/nonexistent", lambda _: None, max_frame=1000)
+    relay._writer = object()  # connected, as far as `call` can tell; it must not write
+
+    async def main():
+        with pytest.raises(FrameTooLarge, match="send a smaller one"):
+            await relay.call("cmpl-" + "a" * 32, "POST", "/v1/completions", b"", [], b"x" * 2000)
+
+    asyncio.run(main())
+    assert relay.alive and relay._replies == {}
+
+
+def test_sigterm_stops_both_processes_and_removes_the_folder(model_dir, tmp_path):
+    """uvicorn re-raises SIGTERM once its shutdown is done, ending the process before code
+    after `server.run()`: the API process is stopped and its folder removed before that."""
+    log = tmp_path / "serve.log"
+    with serve(model_dir, "pass", log) as (process, url):
+        front = _front_of(process)
+        folder = Path(_cmdline_json(front)["folder"])
+        assert httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}).is_success
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=15)
+        assert _gone(front, within=10), "the API process outlived serve"
+    assert not folder.exists(), sorted(folder.iterdir())
+    assert "Traceback" not in log.read_text(), log.read_text()

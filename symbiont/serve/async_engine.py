@@ -53,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream | RelayedStream] = {}
         self._stopped = threading.Event()
         self._closed = False  # no command is accepted any more (guarded by _lock)
+        self._engine_closed = False  # stop() closed the engine (guarded by _lock)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="symbiont-engine", daemon=True)
 
@@ -63,11 +64,22 @@ class AsyncEngine:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread (its requests are aborted) and close the engine; again: nothing."""
         self._stopped.set()
         self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        with self._lock:
+            if self._engine_closed:
+                return
+            self._engine_closed = True
         self.engine.close()
+
+    def abort_relayed(self) -> None:
+        """Abort every request another process shows: that process is gone."""
+        for request_id, stream in list(self._streams.items()):
+            if isinstance(stream, RelayedStream):
+                self.abort(request_id)
 
     def _wake(self) -> None:
         self._commands.put((lambda: None, Future()))

@@ -236,8 +236,13 @@ async def _serve(
     view = View(request_id, body.model, chat, body.n, now(), render)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     if relay_id is not None:  # the API process shows the outputs (front.py)
-        spec = view.spec([r.request_id for r in requests], body.stream, include_usage)
-        return JSONResponse(spec, headers={SPEC_HEADER: "1"})
+        try:
+            spec = view.spec([r.request_id for r in requests], body.stream, include_usage)
+            return JSONResponse(spec, headers={SPEC_HEADER: "1"})
+        except BaseException:  # queued, but nobody will read them
+            for stream in streams:
+                engine.abort(stream.request_id)
+            raise
     count = _counter(state.metrics)
     if body.stream:
         events = sse_events(engine, streams, view, include_usage, count)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +45,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from symbiont.serve.http.protocol import error_body
-from symbiont.serve.http.relay import RELAY_HEADER, SPEC_HEADER, FrontRelay
+from symbiont.serve.http.relay import (
+    RELAY_HEADER,
+    SPEC_HEADER,
+    FrameTooLarge,
+    FrontRelay,
+    frame_limit,
+)
 from symbiont.serve.http.render import (
     APIError,
     BodyLimit,
@@ -111,17 +118,20 @@ def build_front(config: FrontConfig) -> tuple[Starlette, dict]:
         chat = request.url.path.endswith("/chat/completions")
         relay_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         relay.expect(relay_id)
-        headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1") not in _HOP]
+        headers = _headers_on(request)
         headers.append((RELAY_HEADER.encode(), relay_id.encode()))
         try:
             status, answer_headers, body = await relay.call(
                 relay_id,
                 request.method,
-                request.url.path,
-                request.url.query.encode("latin-1"),
+                request.scope["path"],
+                request.scope.get("query_string", b""),
                 headers,
                 await request.body(),
             )
+        except FrameTooLarge as err:
+            relay.forget(relay_id)
+            return _too_large(str(err))
         except ConnectionError as err:
             relay.forget(relay_id)
             return _unavailable(str(err))
@@ -152,13 +162,22 @@ def build_front(config: FrontConfig) -> tuple[Starlette, dict]:
     async def lifespan(_app):
         transport = httpx.AsyncHTTPTransport(uds=str(folder / API_SOCKET))
         # no timeout: a completion that is not streamed takes as long as it generates
+        # no cap on connections: long forwarded requests (file downloads, adapter loads)
+        # must not leave /health waiting for a free one
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
         async with httpx.AsyncClient(
-            transport=transport, base_url="http://symbiont", timeout=None
+            transport=transport, base_url="http://symbiont", timeout=None, limits=limits
         ) as client:
             state["client"] = client
-            state["relay"] = relay = FrontRelay(str(folder / RELAY_SOCKET), state["on_lost"])
+            relay = FrontRelay(
+                str(folder / RELAY_SOCKET), state["on_lost"], frame_limit(config.max_request_bytes)
+            )
+            state["relay"] = relay
             await relay.connect()
-            yield
+            try:
+                yield
+            finally:  # before uvicorn re-raises SIGTERM, which ends the process at once
+                remove_folder(config.folder)
 
     app = Starlette(lifespan=lifespan)
     app.add_middleware(_Dispatch, relayed=relayed, forwarded=forwarded)
@@ -168,6 +187,12 @@ def build_front(config: FrontConfig) -> tuple[Starlette, dict]:
 
 
 RELAYED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+MAX_HEADER_BYTES = 1 << 20  # headers beyond this are refused (431), not passed on
+
+
+def _too_large(why: str) -> JSONResponse:
+    body = error_body(why, "invalid_request_error", code="request_too_large")
+    return JSONResponse(body, status_code=413)
 
 
 class _Dispatch:
@@ -181,6 +206,13 @@ class _Dispatch:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            message = (
+                f"the request's headers are larger than this server accepts "
+                f"({MAX_HEADER_BYTES} bytes in all); send fewer or shorter ones"
+            )
+            error = APIError(431, message, "invalid_request_error", code="headers_too_large")
+            return await error.response()(scope, receive, send)
         relay = scope["method"] == "POST" and scope["path"] in RELAYED_PATHS
         request = Request(scope, receive)
         response = await (self.relayed if relay else self.forwarded)(request)
@@ -201,16 +233,36 @@ async def _show(engine: _RelayedEngine, streams, view: View, spec: dict, request
 
 
 async def _forward(client: httpx.AsyncClient, request: Request) -> httpx.Response:
-    """`request` sent on to the engine process as it came: path and query unchanged (not
-    decoded and encoded again), its body at most --max-request-bytes (BodyLimit read it).
-    Its answer is streamed back."""
-    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
-    raw_path = request.scope.get("raw_path") or request.url.path.encode()
-    url = httpx.URL(raw_path.decode("latin-1"), query=request.scope.get("query_string", b""))
-    upstream = client.build_request(
-        request.method, url, headers=headers, content=await request.body()
+    """`request` sent on to the engine process as it came: its path and query as sent (not
+    decoded and encoded again; only bytes outside ASCII percent-encoded, and `.` segments
+    resolved), its Host header (redirects name it), its body at most --max-request-bytes
+    (BodyLimit read it). Its answer is streamed back."""
+    return await client.send(
+        client.build_request(
+            request.method,
+            _target(request.scope),
+            headers=_headers_on(request, keep_host=True),
+            content=await request.body(),
+        ),
+        stream=True,
     )
-    return await client.send(upstream, stream=True)
+
+
+def _target(scope) -> httpx.URL:
+    raw = scope.get("raw_path") or scope["path"].encode()
+    if scope.get("query_string"):
+        raw += b"?" + scope["query_string"]
+    printable = urllib.parse.quote(raw, safe=bytes(range(0x21, 0x7F)))
+    return httpx.URL("http://symbiont").copy_with(raw_path=printable.encode("ascii"))
+
+
+def _headers_on(request: Request, keep_host: bool = False) -> list[tuple[bytes, bytes]]:
+    """The request's headers but the per-hop ones and the relay's own."""
+    return [
+        (k, v)
+        for k, v in request.headers.raw
+        if (k_ := k.decode("latin-1").lower()) not in _HOP or (keep_host and k_ == "host")
+    ]
 
 
 def _streamed_back(upstream: httpx.Response) -> Response:

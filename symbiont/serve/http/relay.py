@@ -51,6 +51,17 @@ _LENGTH = struct.Struct(">I")
 MAX_FRAME = 256 * 1024 * 1024  # a frame this big is a broken peer, not an iteration
 
 
+def frame_limit(max_request_bytes: int) -> int:
+    """The largest frame either process takes: a request's body (at most
+    --max-request-bytes) with its headers, or the answer to it (its prompts as token ids
+    and text, for `echo`), with room to spare."""
+    return max(MAX_FRAME, 8 * max_request_bytes + (32 << 20))
+
+
+class FrameTooLarge(ValueError):
+    """One request's frame is over `frame_limit`: that request fails, the relay goes on."""
+
+
 # -- encoding ---------------------------------------------------------------------------
 
 
@@ -161,8 +172,7 @@ class CoreRelay:
         max_request_bytes: int = 0,
     ):
         self.path = path
-        # a request's frame holds its body (at most --max-request-bytes) and headers
-        self.max_frame = max(MAX_FRAME, max_request_bytes + (16 << 20))
+        self.max_frame = frame_limit(max_request_bytes)
         self._on_done = on_done
         self._on_lost = on_lost
         self.app = None  # the ASGI app that answers calls, and its loop (`serve_calls`)
@@ -227,20 +237,22 @@ class CoreRelay:
                 message = _read_frame(conn, self.max_frame)
                 if message is None:
                     break
-                if "call" in message:
-                    asyncio.run_coroutine_threadsafe(self._call(message), self.loop)
-                else:
+                if "call" not in message:
                     self._on_done(list(message["done"]), message.get("outcome"))
-        except (OSError, ValueError, KeyError, TypeError) as err:
+                elif self.loop is not None and not self.loop.is_closed():
+                    asyncio.run_coroutine_threadsafe(self._call(message), self.loop)
+                # else: this process's server has stopped; the API process learns it
+                # when the relay closes
+        except Exception as err:  # noqa: BLE001 - a broken relay stops the server, said why
             if not self._closed:
-                log.error("the API process sent a malformed relay message (%s)", err)
+                log.error("the relay from the API process broke (%s: %s)", type(err).__name__, err)
         if not self._closed:
             self._on_lost()
 
     async def _call(self, message: dict) -> None:
         """One request of the API process through the app; its whole answer goes back
         in one frame (relayed requests answer at once: how to show them, or an error)."""
-        call_id = message["call"]
+        call_id = message.get("call")
         status, headers, body = 500, [], []
         try:
             scope = {
@@ -279,9 +291,18 @@ class CoreRelay:
             log.exception("a relayed request failed")
             status, headers = 500, [[b"content-type", b"application/json"]]
             body = [_error_json(f"relayed request failed: {err}")]
-        self._write(
-            frame({"reply": call_id, "status": status, "headers": headers, "body": b"".join(body)})
-        )
+        answer = b"".join(body)
+        data = frame({"reply": call_id, "status": status, "headers": headers, "body": answer})
+        if len(data) > self.max_frame:  # the API process would drop the relay over it
+            why = f"the answer to this request is too large to pass on ({len(data)} bytes)"
+            json_type = [[b"content-type", b"application/json"]]
+            data = frame(
+                {"reply": call_id, "status": 500, "headers": json_type, "body": _error_json(why)}
+            )
+            if status == 200:  # it was queued: nobody will read its outputs
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    self._on_done(list(json.loads(answer)["request_ids"]), "error")
+        self._write(data)
 
 
 def _error_json(message: str) -> bytes:
@@ -324,8 +345,9 @@ class FrontRelay:
     requests it relays. Outputs that arrive before the engine process has answered the
     HTTP request that queued them wait in `_early` under that request's id."""
 
-    def __init__(self, path: str, on_lost: Callable[[str], None]):
+    def __init__(self, path: str, on_lost: Callable[[str], None], max_frame: int = MAX_FRAME):
         self.path = path
+        self.max_frame = max_frame
         self.error: str | None = None  # why the relay is gone, once it is
         self._on_lost = on_lost
         self._writer: asyncio.StreamWriter | None = None
@@ -349,8 +371,6 @@ class FrontRelay:
         """The engine process's answer (status, headers, body) to one request."""
         if not self.alive:
             raise ConnectionError(self.error or "the relay is not connected")
-        reply = asyncio.get_running_loop().create_future()
-        self._replies[relay_id] = reply
         message = {
             "call": relay_id,
             "method": method,
@@ -359,7 +379,15 @@ class FrontRelay:
             "headers": headers,
             "body": body,
         }
-        self._writer.write(frame(message))
+        data = frame(message)
+        if len(data) > self.max_frame:
+            raise FrameTooLarge(
+                f"the request is {len(data)} bytes with its headers, more than this server "
+                f"passes on ({self.max_frame}); send a smaller one"
+            )
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[relay_id] = reply
+        self._writer.write(data)
         try:
             return await reply
         finally:
@@ -403,7 +431,7 @@ class FrontRelay:
             while True:
                 head = await reader.readexactly(_LENGTH.size)
                 (size,) = _LENGTH.unpack(head)
-                if size > MAX_FRAME:
+                if size > self.max_frame:
                     raise ValueError(f"frame of {size} bytes")
                 body = _unpack(await reader.readexactly(size))
                 if "reply" in body:  # the answer to a call (else: outputs)
@@ -418,8 +446,10 @@ class FrontRelay:
                     self._route(output)
         except asyncio.IncompleteReadError:
             pass
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            why = f"the relay from the engine process broke ({err})"
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - every waiter is told
+            why = f"the relay from the engine process broke ({type(err).__name__}: {err})"
         self._lost(why)
 
     def _abort_unread(self, reply: dict) -> None:

@@ -210,6 +210,8 @@ def _front(
 
     def lost() -> None:
         if not front.stopping:
+            if state.engine is not None:  # nobody reads their outputs any more
+                state.engine.abort_relayed()
             on_lost("the API process stopped unexpectedly")
 
     state.relay = CoreRelay(front.relay_socket, on_done, lost, config.max_request_bytes)
@@ -248,13 +250,28 @@ class _Server(uvicorn.Server):
                 # asyncio would then cancel it at exit, which it logs as a traceback. It
                 # ran on cancellation anyway: run it here, quickly, without the traceback.
                 await self.lifespan.shutdown()
+            if self._front is not None:
+                await self._stop_front()
         finally:
             ending.cancel()
 
     async def _relayed_done(self) -> None:
+        """Until the requests the API process shows have ended (or were ended at the
+        grace period's end: their abort outputs are written before the engine stops)."""
         engine = self._state.engine
-        while engine is not None and engine.alive and engine.relayed and not self.force_exit:
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S + 2.0
+        while engine is not None and engine.relayed and not self.force_exit:
+            if time.monotonic() > deadline:
+                break
             await asyncio.sleep(0.05)
+
+    async def _stop_front(self) -> None:
+        """Here, not after `run` returns: uvicorn re-raises SIGTERM once its shutdown is
+        done, which ends the process before any code after it runs."""
+        if self._state.engine is not None:
+            await asyncio.to_thread(self._state.engine.stop)  # its last frames written
+        self._state.relay.close()
+        await asyncio.to_thread(self._front.close)  # waits for it, removes the folder
 
     def _end_requests(self) -> None:
         engine = self._state.engine
