@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.serve import Engine, EngineConfig, Request, SamplingParams, attention
+from symbiont.serve import (
+    Engine,
+    EngineConfig,
+    Request,
+    SamplingParams,
+    attention,
+    decode_kernel,
+)
 from symbiont.serve.context import AttnGroup
 from tests.test_serve_common import Reference, prompts
 from tests.tiny_models import ARCHS, build_checkpoint
@@ -132,20 +139,35 @@ def long_variant(request, tmp_path_factory):
     return base, Reference(base, {})
 
 
-def test_long_chunks_attend_in_blocks_as_vanilla(long_variant, monkeypatch):
-    """Prefill chunks of CHUNK_BLOCKS_MIN tokens or more attend in query blocks: a first
-    chunk over its own keys and a continued chunk over its context in the pool. Every
-    sampled row's logits against vanilla, and the greedy tokens."""
+@pytest.mark.parametrize("through", ["kernel", "sdpa_blocks"])
+def test_long_chunks_as_vanilla(long_variant, through, monkeypatch):
+    """Long prefill chunks, a first one over its own keys and a continued one over its
+    context in the pool, through the CPU chunk kernel (the default) or, without it, SDPA
+    in blocks of queries (CHUNK_BLOCKS_MIN tokens or more). Every sampled row's logits
+    against vanilla, and the greedy tokens."""
     base, reference = long_variant
-    blocked = []
-    real = attention._chunk_in_blocks
+    chunks = []
+    if through == "kernel":
+        real = decode_kernel.DecodeKernel.chunk
 
-    def spy(q, k, v, mask, start, scale):
-        blocked.append((q.shape[2], start))
-        return real(q, k, v, mask, start, scale)
+        def spy(self, q, k, v, start, window, scale):
+            chunks.append((q.shape[1], start))
+            return real(self, q, k, v, start, window, scale)
 
-    monkeypatch.setattr(attention, "_chunk_in_blocks", spy)
-    engine = engine_for(base, LONG)
+        monkeypatch.setattr(decode_kernel.DecodeKernel, "chunk", spy)
+        config = LONG
+    else:
+        real_blocks = attention._chunk_in_blocks
+
+        def spy(q, k, v, mask, start, scale):
+            chunks.append((q.shape[2], start))
+            return real_blocks(q, k, v, mask, start, scale)
+
+        monkeypatch.setattr(attention, "_chunk_in_blocks", spy)
+        config = dataclasses.replace(LONG, decode_kernel=False)
+    engine = engine_for(base, config)
+    if through == "kernel" and engine.runner.decode_kernel is None:
+        pytest.skip(f"CPU kernels not built here: {decode_kernel.unavailable_reason()}")
     rows = []
     run = engine.runner.run
 
@@ -159,8 +181,8 @@ def test_long_chunks_attend_in_blocks_as_vanilla(long_variant, monkeypatch):
     monkeypatch.setattr(engine.runner, "run", recording_run)
     batch = prompts(1, seed=11, low=230, high=230) + prompts(1, seed=12, low=450, high=450)
     got = engine.generate(batch, [None, None], SamplingParams(max_tokens=3, temperature=0.0))
-    assert any(start == 0 for _, start in blocked), blocked
-    assert any(start > 0 and m >= attention.CHUNK_BLOCKS_MIN for m, start in blocked), blocked
+    assert any(start == 0 for _, start in chunks), chunks
+    assert any(start > 0 and m >= attention.CHUNK_BLOCKS_MIN for m, start in chunks), chunks
     for prompt, tokens in zip(batch, got, strict=True):
         assert tokens == reference.generate(prompt, None, 3)
     for tokens, row in rows:

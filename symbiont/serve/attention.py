@@ -17,8 +17,12 @@ group built once for the step. Where the context comes from:
 - other decoding sequences and continued chunks (scattered blocks of a fragmented pool):
   gathered from the pool a whole KV block at a time (one `index_select`);
 - a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
-On a CPU, a long chunk (CHUNK_BLOCKS_MIN tokens or more) attends in blocks of queries,
-each over the keys up to its last query, under the group's mask.
+On a CPU in float32, a prefill chunk attends through a kernel of our own
+(`csrc/chunk_attention.cpp`, `DecodeKernel.chunk`: causal and windowed limits computed,
+not read from a mask; 2.0-2.4x faster than SDPA on one core). Where it does not apply (no
+compiler, another dtype or head dim), a long chunk (CHUNK_BLOCKS_MIN tokens or more)
+attends in blocks of queries through SDPA, each over the keys up to its last query,
+under the group's mask.
 Decoding queries (one per sequence) of the query heads sharing a KV head are stacked on
 the query axis (`[n, kv_heads, heads / kv_heads, head_dim]`), so each K/V head is read
 once, not once per query head; chunks use SDPA's `enable_gqa`. On a CPU in float32,
@@ -121,6 +125,11 @@ def _group_attention(
         vg = _rows(v, group).view(-1, n, m, hd).transpose(0, 1)
     else:
         kg, vg = _gather(k_pool, group, block), _gather(v_pool, group, block)
+    if softcap is None and n == 1 and m > 1 and kernel is not None:  # one chunk, on a CPU
+        qc, kc, vc = qg[0], kg[0], vg[0]  # [heads | kv_heads, ..., hd]
+        if kernel.chunk_applies(qc, kc, vc):
+            start = group.start if group.start is not None else int(group.q_pos[0, 0])
+            return kernel.chunk(qc, kc, vc, start, window, scale)  # [m, heads, hd]
     if softcap is not None:
         out = _eager(qg, kg, vg, group.mask(window, qg.dtype), scale, softcap)
     elif n == 1 and m >= CHUNK_BLOCKS_MIN and q.device.type == "cpu":  # one long chunk

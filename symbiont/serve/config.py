@@ -154,11 +154,11 @@ class EngineConfig:
         default=True,
         metadata={
             "flag": "--no-decode-kernel",
-            "help": "decode attention through PyTorch's SDPA; by default, in float32 on a "
-            "CPU, decoding sequences attend through symbiont's own kernel (1.8-2.8x faster "
-            "per layer), compiled once with the machine's C++ compiler (g++ >= 12 or "
-            "clang) and cached under $SYMBIONT_HOME/kernels; without a compiler, SDPA "
-            "(symbiont/serve/decode_kernel.py)",
+            "help": "attention through PyTorch's SDPA; by default, in float32 on a CPU, "
+            "decoding sequences and prefill chunks attend through symbiont's own kernels "
+            "(1.8-2.8x and 2.0-2.4x faster per layer), compiled once with the machine's C++ "
+            "compiler (g++ >= 12 or clang) and cached under $SYMBIONT_HOME/kernels; without "
+            "a compiler, SDPA (symbiont/serve/decode_kernel.py)",
         },
     )
     layer_ops: bool = field(

@@ -1,4 +1,5 @@
-"""Decode attention of our own on a CPU, built once with the machine's C++ compiler.
+"""Decode and prefill-chunk attention of our own on a CPU, built once with the machine's
+C++ compiler.
 
 PyTorch's CPU `scaled_dot_product_attention` runs a decode step (one query per sequence)
 through its flash kernel, which handles each (sequence, head) as a tiny matrix product
@@ -15,6 +16,13 @@ layer_ops.py), into one shared library under `$SYMBIONT_HOME/kernels` (default
 this CPU, and called through `ctypes` (which releases the GIL). It runs on the threads
 of torch's own OpenMP runtime (the process has one `libgomp.so.1`, torch's), as many as
 `torch.get_num_threads()`.
+
+A prefill chunk (`DecodeKernel.chunk`, `csrc/chunk_attention.cpp`) attends through the
+same library: tiles of 32 queries (16 without AVX-512) of one head work through their keys
+64 at a time with scores and output held keys- and dims-by-queries, so the online softmax
+is element-wise across vectors; causal and window limits are computed, not read from a
+mask. A 512-token chunk's attention ran 2.2-2.4x faster than SDPA's (in blocks of
+queries) on one core (BENCHMARKS.md, issue 17, session 17).
 
 Where it cannot be built (no compiler, a compiler too old for `__builtin_shufflevector`:
 GCC 12 or clang), `load()` returns None and says why in `unavailable_reason()`; the engine
@@ -43,8 +51,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-# one library: the decode attention, and the lean forward's norms and rotary (layer_ops.py)
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp")
+# one library: decode and prefill-chunk attention, and the lean forward's norms and rotary
+# (layer_ops.py)
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "chunk_attention.cpp", CSRC / "layer_ops.cpp")
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
@@ -65,6 +74,12 @@ class DecodeKernel:
         self._fn.argtypes = [ptr, i64, i64, i64] * 3 + [ptr, i64, ptr] + [i64] * 5
         self._fn.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
         self._fn.restype = None
+        self._chunk = lib.chunk_attention
+        self._chunk.argtypes = [ptr, i64, i64] * 4 + [i64] * 6 + [ctypes.c_float, ptr, ctypes.c_int]
+        self._chunk.restype = ctypes.c_int
+        self._chunk_scratch = lib.chunk_attention_scratch
+        self._chunk_scratch.argtypes = [i64]
+        self._chunk_scratch.restype = i64
 
     @staticmethod
     def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -107,6 +122,58 @@ class DecodeKernel:
             scale, scratch.data_ptr(), threads,
         )  # fmt: skip
         return out
+
+
+    @staticmethod
+    def chunk_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `chunk` computes this call: float32 on a CPU, head dims contiguous and
+        a multiple of 8."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.shape[-1] % 8 == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        )
+
+    def chunk(
+        self,
+        q: torch.Tensor,  # [heads, m, hd]: one prefill chunk's queries
+        k: torch.Tensor,  # [kv_heads, >= start + m, hd]: its context, then its own keys
+        v: torch.Tensor,  # [kv_heads, >= start + m, hd]
+        start: int,  # position of the chunk's first query
+        window: int | None,  # sliding window: a query sees keys after its position - window
+        scale: float,
+    ) -> torch.Tensor:  # [m, heads, hd]
+        """Causal attention of one chunk: query i (position start + i) attends keys
+        j <= start + i (and j > start + i - window)."""
+        heads, m, hd = q.shape
+        kv_heads = k.shape[0]
+        if (
+            k.shape[1] < start + m
+            or v.shape[:2] != k.shape[:2]
+            or k.shape[2] != hd
+            or v.shape[2] != hd
+            or heads % kv_heads
+        ):
+            raise ValueError(
+                f"chunk kernel: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                f"start {start}"
+            )
+        threads = max(1, torch.get_num_threads())
+        out = q.new_empty(m, heads, hd)
+        scratch = q.new_empty(threads * self._chunk_scratch(hd))
+        failed = self._chunk(
+            q.data_ptr(), *q.stride()[:2],
+            k.data_ptr(), *k.stride()[:2],
+            v.data_ptr(), *v.stride()[:2],
+            out.data_ptr(), *out.stride()[:2],
+            heads, kv_heads, m, hd, start, window or 0,
+            scale, scratch.data_ptr(), threads,
+        )  # fmt: skip
+        if failed:
+            raise ValueError(f"chunk kernel: head_dim {hd} is no multiple of 8")
+        return out
+
 
 
 def load() -> DecodeKernel | None:
