@@ -1,26 +1,31 @@
-"""Prefill attention of long chunks: one call against blocks of queries (issue 17).
+"""Prefill attention of chunks: one SDPA call, SDPA in blocks of queries, and symbiont's
+chunk kernel (issue 17).
 
-    python benchmarks/chunk_attention.py                       # kernel, engine on `small`
+    python benchmarks/chunk_attention.py                       # kernel table, engine on `small`
     python benchmarks/chunk_attention.py --engine-only --model 100m --requests 24
 
 PyTorch's CPU attention kernel works through keys 512 at a time; with a causal mask or
 an explicit one it still computes every score of a 512-key block, so a first chunk of up
-to 512 tokens spends half its work on scores the mask then drops, and a later chunk
-(context, then its own keys) the same on its own keys. `symbiont/serve/attention.py`
-runs a chunk of CHUNK_BLOCKS_MIN tokens or more CHUNK_BLOCK queries at a time, each block
-over the keys up to its last query (`_chunk_in_blocks`). Two measurements, one thread,
-variants interleaved round after round (each figure the fastest of --rounds):
+to 512 tokens spends half its work on scores the mask then drops. Session 13 ran a chunk
+of CHUNK_BLOCKS_MIN tokens or more CHUNK_BLOCK queries at a time, each block over the keys
+up to its last query (`_chunk_in_blocks` in symbiont/serve/attention.py: what the engine
+does where the chunk kernel does not apply). Session 17 added the chunk kernel
+(`DecodeKernel.chunk`, symbiont/serve/csrc/chunk_attention.cpp), the engine's default on a
+CPU in float32. Two measurements, one thread, variants interleaved round after round
+(each figure the fastest of --rounds):
 
 1. Kernel: one layer's attention for chunks of several lengths, with and without context
-   before them and with 4 or 12 query heads (head_dim 64), as one SDPA call (is_causal for
-   a first chunk, the group's mask for a later one) and in blocks. Prints ms and the ratio.
+   before them, with 4, 12 or 16 query heads on fewer KV heads: one SDPA call (is_causal
+   for a first chunk, the group's mask for a later one), SDPA in blocks, and the chunk
+   kernel. Prints ms, the kernel's GFLOP/s (causal multiply-adds only) and ratios.
 2. Engine (--model: `small`, `100m`, `500m`, the head_dim-64 Llamas of the vLLM harness
-   built into --work, or a Llama checkpoint folder; `none` skips it): requests with prompts of
-   --prompt-len tokens and --max-tokens greedy tokens, 16 at a time as users of a closed
-   loop send them, through `Engine.step` (no HTTP), with the blocks on and off
-   (CHUNK_BLOCKS_MIN set beyond any chunk). Prints seconds in steps that prefill, in
-   decode-only steps, and generated tokens per second, with the ratio; the generated
-   tokens of both arms must be equal.
+   built into --work, or a Llama checkpoint folder; `none` skips it): requests with prompts
+   of --prompt-len tokens and --max-tokens greedy tokens, 16 at a time as users of a
+   closed loop send them, through `Engine.step` (no HTTP), with chunks through one SDPA
+   call, SDPA in blocks, and the kernel (decode steps through the decode kernel in all
+   three). Prints seconds in steps that prefill, in decode-only steps, and generated
+   tokens per second, with the ratio, and whether the arms generated the same tokens
+   (float32 rounding differs between them, so a near tie may break another way).
 """
 
 from __future__ import annotations
@@ -37,20 +42,21 @@ sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402, N812 - torch's own alias
 
-from symbiont.serve import attention  # noqa: E402
+from symbiont.serve import attention, decode_kernel  # noqa: E402
 from symbiont.serve.context import AttnGroup  # noqa: E402
 
-CASES = [  # (chunk length, context before it, query heads, KV heads)
-    (128, 0, 4, 2),
-    (256, 0, 4, 2),
-    (512, 0, 4, 2),
-    (640, 0, 4, 2),
-    (1024, 0, 4, 2),
-    (512, 300, 4, 2),
-    (256, 600, 4, 2),
-    (512, 0, 12, 12),
-    (1024, 0, 12, 12),
-    (512, 512, 12, 12),
+CASES = [  # (chunk length, context before it, query heads, KV heads, head dim)
+    (64, 0, 4, 2, 64),
+    (128, 0, 4, 2, 64),
+    (256, 0, 4, 2, 64),
+    (512, 0, 4, 2, 64),
+    (1024, 0, 4, 2, 64),
+    (512, 300, 4, 2, 64),
+    (256, 600, 4, 2, 64),
+    (64, 0, 12, 4, 64),
+    (512, 0, 12, 4, 64),
+    (512, 512, 12, 4, 64),
+    (512, 0, 16, 4, 128),
 ]
 
 
@@ -80,8 +86,21 @@ def kernel_case(m: int, start: int, heads: int, kv_heads: int, hd: int = 64):
     def blocks():
         return attention._chunk_in_blocks(q, k, v, mask, start, scale)
 
-    err = float((one() - blocks()).abs().max())
-    return one, blocks, err
+    found = decode_kernel.load()
+    if found is None:
+        raise SystemExit(
+            f"the CPU kernels cannot be built here: {decode_kernel.unavailable_reason()}"
+        )
+
+    def kernel():  # [m, heads, hd], as the engine takes it
+        return found.chunk(q[0], k[0], v[0], start, None, scale)
+
+    want = one()
+    err = max(
+        float((want - blocks()).abs().max()),
+        float((want[0].transpose(0, 1) - kernel()).abs().max()),
+    )
+    return {"one call": one, "blocks": blocks, "kernel": kernel}, err
 
 
 def fastest(fn, reps: int) -> float:
@@ -91,22 +110,27 @@ def fastest(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def run_kernel(rounds: int) -> None:
+def run_kernel(rounds: int, max_chunk: int) -> None:
     print(
-        "| chunk | context before | heads | one call ms | blocks ms | one call / blocks | max diff |"
+        "| chunk | context before | heads | head dim | one call ms | blocks ms | kernel ms | "
+        "kernel GFLOP/s | blocks / kernel | one call / kernel | max diff |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for m, start, heads, kv_heads in CASES:
-        one, blocks, err = kernel_case(m, start, heads, kv_heads)
-        reps = max(2, int(2e8 // (heads * m * (start + m) * 64)))
-        one(), blocks()  # warm
-        best = {"one": float("inf"), "blocks": float("inf")}
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for m, start, heads, kv_heads, hd in [case for case in CASES if case[0] <= max_chunk]:
+        arms, err = kernel_case(m, start, heads, kv_heads, hd)
+        reps = max(2, int(2e8 // (heads * m * (start + m) * hd)))
+        for fn in arms.values():
+            fn()  # warm
+        best = dict.fromkeys(arms, float("inf"))
         for _ in range(rounds):
-            best["one"] = min(best["one"], fastest(one, reps))
-            best["blocks"] = min(best["blocks"], fastest(blocks, reps))
+            for name, fn in arms.items():
+                best[name] = min(best[name], fastest(fn, reps))
+        flops = 4 * heads * hd * (m * start + m * (m + 1) / 2)  # scores and values, causal
+        one, blocks, kernel = best["one call"], best["blocks"], best["kernel"]
         print(
-            f"| {m} | {start} | {heads}/{kv_heads} | {best['one'] * 1e3:.2f} | "
-            f"{best['blocks'] * 1e3:.2f} | {best['one'] / best['blocks']:.2f}x | {err:.1e} |",
+            f"| {m} | {start} | {heads}/{kv_heads} | {hd} | {one * 1e3:.2f} | "
+            f"{blocks * 1e3:.2f} | {kernel * 1e3:.2f} | {flops / kernel / 1e9:.0f} | "
+            f"{blocks / kernel:.2f}x | {one / kernel:.2f}x | {err:.1e} |",
             flush=True,
         )
 
@@ -154,7 +178,9 @@ def run_engine(args) -> None:
     from symbiont.tenant import open_executor
 
     config = EngineConfig(
-        max_running=32, max_batched_tokens=args.max_batched_tokens, max_queue=args.requests
+        max_running=32,
+        max_batched_tokens=args.max_batched_tokens,
+        max_queue=max(args.requests, args.users, 4),  # the warm-up sends 4
     )
     model = args.model
     if model in ("small", "100m", "500m"):
@@ -164,25 +190,42 @@ def run_engine(args) -> None:
     engine = Engine.from_pretrained(
         model, config=config, executor=open_executor(model, prepack=True)
     )
+    if engine.runner.decode_kernel is None:
+        raise SystemExit(
+            f"the CPU kernels cannot be built here: {decode_kernel.unavailable_reason()}"
+        )
     on = attention.CHUNK_BLOCKS_MIN
-    arms = {"one call": 1 << 40, "blocks": on}
+    applies = decode_kernel.DecodeKernel.__dict__["chunk_applies"]  # the staticmethod
+    arms = {  # (CHUNK_BLOCKS_MIN, chunk kernel on)
+        "one call": (1 << 40, False),
+        "blocks": (on, False),
+        "kernel": (on, True),
+    }
     engine_run(engine, argparse.Namespace(**{**vars(args), "requests": 4, "users": 4}), 99)
     results = {name: [] for name in arms}
     outputs = {}
-    for r in range(args.rounds):
-        for name, threshold in arms.items() if r % 2 == 0 else reversed(arms.items()):
-            attention.CHUNK_BLOCKS_MIN = threshold
-            times, tokens = engine_run(engine, args, seed=r)
-            outputs.setdefault(r, []).append(tokens)
-            results[name].append(times)
-    attention.CHUNK_BLOCKS_MIN = on
-    same = all(a == b for a, b in outputs.values())
+    try:
+        for r in range(args.rounds):
+            for name, (threshold, kernel_on) in (
+                arms.items() if r % 2 == 0 else reversed(arms.items())
+            ):
+                attention.CHUNK_BLOCKS_MIN = threshold
+                decode_kernel.DecodeKernel.chunk_applies = (
+                    applies if kernel_on else staticmethod(lambda *a: False)
+                )
+                times, tokens = engine_run(engine, args, seed=r)
+                outputs.setdefault(r, {})[name] = tokens
+                results[name].append(times)
+    finally:
+        attention.CHUNK_BLOCKS_MIN = on
+        decode_kernel.DecodeKernel.chunk_applies = applies
+    same = all(len({str(t) for t in arms_out.values()}) == 1 for arms_out in outputs.values())
     n_tokens = args.requests * args.max_tokens
     print(
         f"\nengine: {args.requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
         f"tokens, {args.max_tokens} greedy tokens each, {args.users} users, "
         f"--max-batched-tokens {args.max_batched_tokens}, {args.rounds} rounds (best of each); "
-        f"same tokens in both arms: {same}"
+        f"same tokens in every arm: {same}"
     )
     print("| arm | prefill steps s | decode steps s | tokens/s | vs one call |")
     print("|---|---:|---:|---:|---:|")
@@ -196,8 +239,6 @@ def run_engine(args) -> None:
             f"| {name} | {t['prefill']:.2f} | {t['decode']:.2f} | {n_tokens / total:.1f} | "
             f"{base / total:.2f}x |"
         )
-    if not same:
-        raise SystemExit("the two arms generated different tokens")
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -217,6 +258,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--engine-only", action="store_true", help="skip the kernel table")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--max-chunk", type=int, default=1 << 20, help="kernel table: chunks up to this long"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--users", type=int, default=16, help="requests in flight (closed loop)")
@@ -228,7 +272,7 @@ def main(argv=None) -> int:
         p.error("--engine-only needs a --model")
     torch.set_num_threads(args.threads)
     if not args.engine_only:
-        run_kernel(args.rounds)
+        run_kernel(args.rounds, args.max_chunk)
     if args.model != "none":
         run_engine(args)
     return 0

@@ -5,11 +5,18 @@ tests/test_serve_attention.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from symbiont.serve import decode_kernel
+from tests.tiny_models import ARCHS, build_checkpoint
 
 ATOL = 2e-6  # float32: another summation order and a polynomial exp (about 1 ulp)
 
@@ -115,3 +122,29 @@ def test_applies_and_refuses(kernel):
         kernel.chunk(q, k[:, :12], v[:, :12], 3, None, 0.25)  # keys end before the chunk's
     with pytest.raises(ValueError, match="head_dim 12 is no multiple of 8"):
         kernel.chunk(q[..., :12], k[..., :12], v[..., :12], 3, None, 0.25)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_benchmark_runs(kernel, tmp_path):
+    """benchmarks/chunk_attention.py at its smallest sizes: the kernel table's three arms
+    agree, and the engine runs all three arms on a small Llama."""
+    spec = dataclasses.replace(ARCHS["llama"], config={**ARCHS["llama"].config, "head_dim": 16})
+    base = build_checkpoint(spec, tmp_path / "llama")
+    done = subprocess.run(
+        [
+            sys.executable, str(REPO / "benchmarks" / "chunk_attention.py"),
+            "--max-chunk", "64", "--rounds", "1", "--model", str(base), "--requests", "3",
+            "--users", "2", "--prompt-len", "40:70", "--max-tokens", "2",
+        ],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600, check=True,
+    )  # fmt: skip
+    out = done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    table = [line for line in out.splitlines() if line.startswith("| 64 | 0 |")]
+    assert len(table) == 2, out
+    assert all(float(line.split("|")[-2]) < 1e-4 for line in table), out  # max diff
+    for arm in ("one call", "blocks", "kernel"):
+        assert f"| {arm} |" in out, out
