@@ -106,3 +106,29 @@ def test_skips_with_the_reason_where_the_peer_cannot_be_installed(harness, tmp_p
     assert harness.main(["--venv", str(blocker / "venv"), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SKIP: vLLM CPU peer unavailable: cannot make the venv folder"), out
+
+
+def test_rounds_give_median_ratios_and_each_rounds(harness):
+    """With --rounds, a row's ratios are the median of each round's ratio (not a ratio of
+    medians), both servers' figures the medians, and the table lists every round's."""
+    s = harness.Scenario(0, "poisson", "short")
+    figures = [(100.0, 80.0, 2.0, 1.0), (90.0, 100.0, 3.0, 2.0), (120.0, 100.0, 2.0, 2.0)]
+    runs = []
+    for ours_tok, peer_tok, ours_itl, peer_itl in figures:
+        one = dict.fromkeys(harness.METRICS, 1.0)
+        runs.append(
+            {
+                (s, "symbiont"): {**one, "tok_s": ours_tok, "itl_p50": ours_itl},
+                (s, "vllm"): {**one, "tok_s": peer_tok, "itl_p50": peer_itl,
+                              "prefix_cache_hits": [0.0, 50.0]},
+            }
+        )  # fmt: skip
+    row = harness.row_of(s, runs)
+    assert row["ratios"]["tok_s"] == pytest.approx(1.2)  # of 1.25, 0.9, 1.2
+    assert row["ratios"]["itl_p50"] == pytest.approx(1.5)  # of 2.0, 1.5, 1.0
+    assert row["symbiont"]["tok_s"] == 100.0 and row["vllm"]["tok_s"] == 100.0
+    assert row["vllm"]["prefix_cache_hits"] == [0.0, 150.0]
+    table = harness.markdown_table([row])
+    assert "| throughput per round | ITL p50 per round |" in table
+    assert "| 1.25, 0.90, 1.20 | 2.00, 1.50, 1.00 |" in table
+    assert "| 1.20x | 1.00x | 1.00x | 1.50x | 1.00x |" in table

