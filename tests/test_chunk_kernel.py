@@ -120,6 +120,8 @@ def test_applies_and_refuses(kernel):
     assert not kernel.chunk_applies(q.transpose(1, 2), k, v)  # head dim not contiguous
     with pytest.raises(ValueError, match=r"chunk kernel: q \(4, 10, 16\), k \(2, 12, 16\)"):
         kernel.chunk(q, k[:, :12], v[:, :12], 3, None, 0.25)  # keys end before the chunk's
+    with pytest.raises(ValueError, match="sliding window 0; it must be at least 1"):
+        kernel.chunk(q, k, v, 3, 0, 0.25)
     with pytest.raises(ValueError, match="head_dim 12 is no multiple of 8"):
         kernel.chunk(q[..., :12], k[..., :12], v[..., :12], 3, None, 0.25)
 

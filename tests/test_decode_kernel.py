@@ -244,8 +244,7 @@ def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
     reason = decode_kernel.unavailable_reason()
     assert (
         "could not build decode_attention.cpp, chunk_attention.cpp, layer_ops.cpp: "
-        "broken-cxx: error: no such flag"
-        in reason
+        "broken-cxx: error: no such flag" in reason
     )
     assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone
 

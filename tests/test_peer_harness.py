@@ -132,3 +132,16 @@ def test_rounds_give_median_ratios_and_each_rounds(harness):
     assert "| throughput per round | ITL p50 per round |" in table
     assert "| 1.25, 0.90, 1.20 | 2.00, 1.50, 1.00 |" in table
     assert "| 1.20x | 1.00x | 1.00x | 1.50x | 1.00x |" in table
+
+
+def test_prefill_alone_skips_with_the_reason_too(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "prefill_alone_harness", REPO / "benchmarks" / "peers" / "prefill_alone.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert module.main(["--venv", str(blocker / "venv"), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SKIP: vLLM CPU peer unavailable: cannot make the venv folder"), out

@@ -566,7 +566,7 @@ def run_server(
         command = vllm_command(python, model, adapters, port, lim)
     else:
         command = symbiont_command(model, adapters, port, lim) + args.symbiont_flags
-    log = args.out / (f"{system}-{n}.log" if args.rounds == 1 else f"{system}-{n}-round{r}.log")
+    log = args.out / (f"{system}-{n}.log" if args.rounds == 1 else f"{system}-{n}-round{r + 1}.log")
     round_words = f", round {r + 1} of {args.rounds}" if args.rounds > 1 else ""
     print(f"[{n} adapters{round_words}] starting {system} on 127.0.0.1:{port}", flush=True)
     try:
@@ -576,10 +576,10 @@ def run_server(
         )  # fmt: skip
         url = server.__enter__()
     except RuntimeError as why:
-        if system == "vllm":
+        if system == "vllm" and r == 0:
             print(f"SKIP: vLLM CPU peer does not start here: {why}", flush=True)
             return False
-        raise
+        raise  # it started in an earlier round: a failure now is no reason to skip
     try:
         warm = [
             bench.TraceItem(0, i % len(models), item.prompt, 4)
@@ -588,7 +588,7 @@ def run_server(
         try:
             asyncio.run(drive(url, warm, models, users=None))
         except RuntimeError as why:
-            if system != "vllm":
+            if system != "vllm" or r > 0:
                 raise
             errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error:" in ln][
                 -1:
@@ -625,9 +625,13 @@ def row_of(s, runs: list[dict]) -> dict:
         {m: ratio(run[(s, "symbiont")][m], run[(s, "vllm")][m]) for m in METRICS} for run in runs
     ]
     row = {"label": s.label, "rounds": per_round}
-    row["ratios"] = {m: float(np.median([x[m] for x in per_round])) for m in METRICS}
+    # nanmedian: a round without a figure (no ITL where every output was one token) does
+    # not blank the row
+    row["ratios"] = {m: float(np.nanmedian([x[m] for x in per_round])) for m in METRICS}
     for system in ("symbiont", "vllm"):
-        row[system] = {m: float(np.median([run[(s, system)][m] for run in runs])) for m in METRICS}
+        row[system] = {
+            m: float(np.nanmedian([run[(s, system)][m] for run in runs])) for m in METRICS
+        }
         hits = [run[(s, system)].get("prefix_cache_hits") for run in runs]
         hits = [h for h in hits if h is not None]
         if hits:

@@ -123,7 +123,6 @@ class DecodeKernel:
         )  # fmt: skip
         return out
 
-
     @staticmethod
     def chunk_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether `chunk` computes this call: float32 on a CPU, head dims contiguous and
@@ -148,6 +147,8 @@ class DecodeKernel:
         j <= start + i (and j > start + i - window)."""
         heads, m, hd = q.shape
         kv_heads = k.shape[0]
+        if window is not None and window < 1:  # the engine's mask would hide every key
+            raise ValueError(f"chunk kernel: sliding window {window}; it must be at least 1")
         if (
             k.shape[1] < start + m
             or v.shape[:2] != k.shape[:2]
@@ -173,7 +174,6 @@ class DecodeKernel:
         if failed:
             raise ValueError(f"chunk kernel: head_dim {hd} is no multiple of 8")
         return out
-
 
 
 def load() -> DecodeKernel | None:

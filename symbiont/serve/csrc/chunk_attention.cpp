@@ -17,6 +17,7 @@
 // window's start for its first query; scores beyond a query's own limits are set to
 // -inf. Results agree with SDPA within float32 rounding (another summation order, and the
 // polynomial exp of vec.h).
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +46,19 @@ static inline vf vld(const float* p) { return *reinterpret_cast<const vf*>(p); }
 static inline void vst(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
 // Every lane spelled out: GCC then emits one broadcast (a loop over the lanes compiled to
 // one masked load per lane, and vf{} + a, at 256 bits, to a store and a reload)
+static inline vi vsplati(int32_t a) {
+#ifdef __AVX512F__
+    return vi{a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
+#else
+    return vi{a, a, a, a, a, a, a, a};
+#endif
+}
+
+// int64 -> int32, saturated (relative positions beyond 2^31 tokens stay ordered)
+static inline int64_t clamp32(int64_t v) {
+    return v < INT32_MIN ? INT32_MIN : v > INT32_MAX ? INT32_MAX : v;
+}
+
 static inline vf vsplat(float a) {
 #ifdef __AVX512F__
     return vf{a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
@@ -141,16 +155,18 @@ static void tile(const float* q, int64_t qs0, int64_t qs1, const float* k, int64
     const int64_t h = a / share;
     const float* kh = k + h * ks0;
     const float* vh = v + h * vs0;
-    // query r (position start + p0 + r) sees keys (lo_r, hi_r]: lo_r = pos - window
-    vf pos[NV], lo[NV];
+    // Positions relative to the tile's first query (start + p0), as int32 lanes: query r
+    // sees keys k with r - window < k <= r (no lower limit without a window)
+    const int64_t base = start + p0;
+    vi pos[NV], lo[NV];
     for (int x = 0; x < NV; x++)
         for (int i = 0; i < VW; i++) {
             const int64_t r = x * VW + i < rows ? x * VW + i : rows - 1;
-            pos[x][i] = float(start + p0 + r);
-            lo[x][i] = window > 0 ? float(start + p0 + r - window) : -1.0f;
+            pos[x][i] = int32_t(r);
+            lo[x][i] = window > 0 ? int32_t(clamp32(r - window)) : INT32_MIN;
         }
-    const int64_t first = window > 0 && start + p0 - window + 1 > 0 ? start + p0 - window + 1 : 0;
-    const int64_t last = start + p0 + rows - 1;  // the tile's last query sees up to here
+    const int64_t first = window > 0 && base - window + 1 > 0 ? base - window + 1 : 0;
+    const int64_t last = base + rows - 1;  // the tile's last query sees up to here
     const vf ninf = vsplat(-INFINITY);
     vf mx[NV], sum[NV];
     for (int x = 0; x < NV; x++) { mx[x] = ninf; sum[x] = vsplat(0.0f); }
@@ -159,11 +175,12 @@ static void tile(const float* q, int64_t qs0, int64_t qs1, const float* k, int64
         tile_scores<HD>(qt, kh, ks1, j0, nk, s, hd);
         // keys beyond a query's limits: only in blocks that reach past the tile's first
         // query (causal) or start before its last query's window
-        const bool edge = j0 + nk - 1 > start + p0 || (window > 0 && float(j0) <= lo[NV - 1][VW - 1]);
+        const bool edge =
+            j0 + nk - 1 > base || (window > 0 && j0 - base <= int64_t(lo[NV - 1][VW - 1]));
         vf bmax[NV];
         for (int x = 0; x < NV; x++) bmax[x] = ninf;
         for (int64_t j = 0; j < nk; j++) {
-            const vf key = vsplat(float(j0 + j));
+            const vi key = vsplati(int32_t(clamp32(j0 + j - base)));
             for (int x = 0; x < NV; x++) {
                 vf sc = vld(s + j * R + x * VW);
                 if (edge) sc = (key > pos[x]) | (key <= lo[x]) ? ninf : sc;
