@@ -118,6 +118,7 @@ def test_applies_and_refuses(kernel):
     assert not kernel.chunk_applies(q.double(), k.double(), v.double())
     assert not kernel.chunk_applies(q[..., :12], k[..., :12], v[..., :12])  # no multiple of 8
     assert not kernel.chunk_applies(q.transpose(1, 2), k, v)  # head dim not contiguous
+    assert not kernel.chunk_applies(q.clone().requires_grad_(), k, v)  # no backward
     with pytest.raises(ValueError, match=r"chunk kernel: q \(4, 10, 16\), k \(2, 12, 16\)"):
         kernel.chunk(q, k[:, :12], v[:, :12], 3, None, 0.25)  # keys end before the chunk's
     with pytest.raises(ValueError, match="sliding window 0; it must be at least 1"):

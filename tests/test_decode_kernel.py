@@ -143,6 +143,7 @@ def test_applies_only_to_float32_on_a_cpu():
     assert not decode_kernel.DecodeKernel.applies(q.double(), k.double(), mask.double())
     assert not decode_kernel.DecodeKernel.applies(q.bfloat16(), k.bfloat16(), mask.bfloat16())
     assert not decode_kernel.DecodeKernel.applies(q.transpose(-1, -2), k, mask)
+    assert not decode_kernel.DecodeKernel.applies(q.clone().requires_grad_(), k, mask)
 
 
 @pytest.fixture

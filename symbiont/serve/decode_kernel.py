@@ -83,12 +83,14 @@ class DecodeKernel:
 
     @staticmethod
     def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> bool:
-        """Whether the kernel computes this call: float32 on a CPU, head dims contiguous."""
+        """Whether the kernel computes this call: float32 on a CPU, head dims contiguous,
+        no gradient wanted (the kernel has no backward)."""
         return (
             q.device.type == "cpu"
             and q.dtype == k.dtype == mask.dtype == torch.float32
             and q.stride(-1) == 1
             and k.stride(-1) == 1
+            and not (q.requires_grad or k.requires_grad)
         )
 
     def __call__(
@@ -126,12 +128,13 @@ class DecodeKernel:
     @staticmethod
     def chunk_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether `chunk` computes this call: float32 on a CPU, head dims contiguous and
-        a multiple of 8."""
+        a multiple of 8, no gradient wanted (the kernel has no backward)."""
         return (
             q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.float32
             and q.shape[-1] % 8 == 0
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)
         )
 
     def chunk(
