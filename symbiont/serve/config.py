@@ -156,7 +156,7 @@ class EngineConfig:
             "flag": "--no-decode-kernel",
             "help": "attention through PyTorch's SDPA; by default, in float32 on a CPU, "
             "decoding sequences and prefill chunks attend through symbiont's own kernels "
-            "(1.8-2.8x and 2.0-2.4x faster per layer), compiled once with the machine's C++ "
+            "(1.8-2.8x and 2.0-2.5x faster per layer), compiled once with the machine's C++ "
             "compiler (g++ >= 12 or clang) and cached under $SYMBIONT_HOME/kernels; without "
             "a compiler, SDPA (symbiont/serve/decode_kernel.py)",
         },

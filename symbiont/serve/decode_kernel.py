@@ -21,7 +21,7 @@ A prefill chunk (`DecodeKernel.chunk`, `csrc/chunk_attention.cpp`) attends throu
 same library: tiles of 32 queries (16 without AVX-512) of one head work through their keys
 64 at a time with scores and output held keys- and dims-by-queries, so the online softmax
 is element-wise across vectors; causal and window limits are computed, not read from a
-mask. A 512-token chunk's attention ran 2.2-2.4x faster than SDPA's (in blocks of
+mask. A chunk's attention ran 2.0-2.5x faster than SDPA's (in blocks of
 queries) on one core (BENCHMARKS.md, issue 17, session 17).
 
 Where it cannot be built (no compiler, a compiler too old for `__builtin_shufflevector`:
