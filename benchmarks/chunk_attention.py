@@ -10,7 +10,7 @@ to 512 tokens spends half its work on scores the mask then drops. Session 13 ran
 of CHUNK_BLOCKS_MIN tokens or more CHUNK_BLOCK queries at a time, each block over the keys
 up to its last query (`_chunk_in_blocks` in symbiont/serve/attention.py: what the engine
 does where the chunk kernel does not apply). Session 17 added the chunk kernel
-(`DecodeKernel.chunk`, symbiont/serve/csrc/chunk_attention.cpp), the engine's default on a
+(`DecodeKernel.chunk`, symbiont/kernels/csrc/chunk_attention.cpp), the engine's default on a
 CPU in float32. Two measurements, one thread, variants interleaved round after round
 (each figure the fastest of --rounds):
 

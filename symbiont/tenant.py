@@ -31,7 +31,8 @@ def open_executor(
     """The executor for `model_dir`: the `serve-base` at `url` (its base checked against
     `model_dir` at connect time), or an in-process BaseExecutor when `url` is None; with
     `prepack`, an in-process one on a CPU in fp32 holds its large weights in the matmul
-    library's layout (faster, forward calls only: symbiont/base/prepack.py).
+    library's layout (faster, forward calls only: symbiont/base/prepack.py) and computes
+    products of a few rows through symbiont's CPU kernel (symbiont/kernels/few_rows.py).
 
     mask_activations 'pool' wraps it so every call is masked; 'shares' takes two URLs
     (`serve-base`s of parties that do not collude) and splits every call between them
@@ -99,10 +100,13 @@ def _open_one(
         executor = BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
         if matmul == "onednn":
             from symbiont.base.onednn import OneDnnExecutor
+            from symbiont.kernels.few_rows import FewRows
 
-            return OneDnnExecutor(executor)
+            return OneDnnExecutor(executor, few_rows=FewRows.load())
         if prepack and can_prepack(executor.device, executor.manifest.dtype):
-            return PrepackedExecutor(executor)
+            from symbiont.kernels.few_rows import FewRows
+
+            return PrepackedExecutor(executor, few_rows=FewRows.load())
         return executor
     from symbiont.client.remote import connect
 

@@ -21,14 +21,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "symbiont"
 
 # What each top-level part of symbiont may import (besides itself). Only `tenant` (which
 # opens the executor in this process or reaches a serve-base) and `cli` import `base`.
-BELOW = {"model", "adapters", "decoding"}
+BELOW = {"model", "adapters", "decoding", "kernels"}
 ALLOWED: dict[str, set[str]] = {
     "util": set(),  # lazy namespaces, the rate meter: importable from anywhere
     "model": set(),
     "decoding": {"model"},
     "adapters": {"model"},
     "protocol": {"model"},
-    "base": {"protocol", "model"},
+    "kernels": set(),  # symbiont's CPU kernels (C++ built on the machine): torch only
+    "base": {"protocol", "model", "kernels"},
     "client": {"protocol"} | BELOW,
     "tenant": {"client", "protocol", "base"} | BELOW,
     "train": {"tenant", "client", "protocol"} | BELOW,

@@ -1,5 +1,5 @@
 """symbiont's CPU attention kernel for prefill chunks (`DecodeKernel.chunk`,
-symbiont/serve/csrc/chunk_attention.cpp) against SDPA in float64 under the engine's mask;
+symbiont/kernels/csrc/chunk_attention.cpp) against SDPA in float64 under the engine's mask;
 the engine's chunks through it against vanilla transformers are in
 tests/test_serve_attention.py."""
 

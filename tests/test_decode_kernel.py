@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from symbiont import BaseExecutor, load_client
+from symbiont.kernels import library
 from symbiont.serve import Engine, EngineConfig, Request, SamplingParams, decode_kernel
 from tests.test_serve_common import Reference, prompts
 from tests.tiny_models import ARCHS, build_checkpoint
@@ -150,16 +151,16 @@ def test_applies_only_to_float32_on_a_cpu():
 def fresh_load(monkeypatch, tmp_path):
     """load() as in a new process, building into an empty SYMBIONT_HOME."""
     monkeypatch.setenv("SYMBIONT_HOME", str(tmp_path))
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
     yield tmp_path
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
 
 
 def test_build_is_cached_under_symbiont_home(fresh_load, kernel):
     built = decode_kernel.load()
     assert built is not None and built.path.parent == fresh_load / "kernels"
     stamp = built.path.stat().st_mtime_ns
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
     assert decode_kernel.load().path == built.path  # found, not rebuilt
     assert built.path.stat().st_mtime_ns == stamp
     assert [p.name for p in built.path.parent.iterdir()] == [built.path.name]  # no leftovers
@@ -171,7 +172,7 @@ def test_a_broken_cached_library_is_built_again(fresh_load, monkeypatch, kernel)
     name = decode_kernel.load().path.name  # the same in every folder: one source, CPU
     other = fresh_load / "other.cpp"
     other.write_text('extern "C" int something_else() { return 1; }\n')
-    compiler = decode_kernel._compiler()
+    compiler = library._compiler()
     for content in ("truncated", "no kernel inside"):
         home = fresh_load / content.replace(" ", "-")
         cached = home / "kernels" / name
@@ -183,7 +184,7 @@ def test_a_broken_cached_library_is_built_again(fresh_load, monkeypatch, kernel)
                 [compiler, "-shared", "-fPIC", str(other), "-o", str(cached)], check=True
             )
         monkeypatch.setenv("SYMBIONT_HOME", str(home))
-        decode_kernel._load.cache_clear()
+        library._load.cache_clear()
         again = decode_kernel.load()
         assert again is not None, decode_kernel.unavailable_reason()
         assert again.path == cached
@@ -199,9 +200,9 @@ def test_without_a_home_the_private_temporary_folder_is_used(fresh_load, monkeyp
     def no_home():
         raise RuntimeError("Could not determine home directory.")
 
-    monkeypatch.setattr(decode_kernel.Path, "home", no_home)
+    monkeypatch.setattr(library.Path, "home", no_home)
     tmp = fresh_load / "tmp"
-    monkeypatch.setattr(decode_kernel.tempfile, "gettempdir", lambda: str(tmp))
+    monkeypatch.setattr(library.tempfile, "gettempdir", lambda: str(tmp))
     built = decode_kernel.load()
     assert built is not None, decode_kernel.unavailable_reason()
     assert built.path.parent == tmp / f"symbiont-kernels-{os.getuid()}"
@@ -213,7 +214,7 @@ def test_a_later_success_clears_the_reason(fresh_load, monkeypatch, kernel):
     assert decode_kernel.load() is None and decode_kernel.unavailable_reason()
     monkeypatch.undo()
     monkeypatch.setenv("SYMBIONT_HOME", str(fresh_load))
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
     assert decode_kernel.load() is not None
     assert decode_kernel.unavailable_reason() is None
 
@@ -244,7 +245,7 @@ def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
     assert decode_kernel.load() is None
     reason = decode_kernel.unavailable_reason()
     assert (
-        "could not build decode_attention.cpp, chunk_attention.cpp, layer_ops.cpp: "
+        "could not build decode_attention.cpp, chunk_attention.cpp, layer_ops.cpp, few_rows.cpp: "
         "broken-cxx: error: no such flag" in reason
     )
     assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone
@@ -256,12 +257,12 @@ def test_folders_others_can_write_are_not_used(fresh_load, monkeypatch, kernel):
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     tmp = fresh_load / "tmp"
-    monkeypatch.setattr(decode_kernel.tempfile, "gettempdir", lambda: str(tmp))
+    monkeypatch.setattr(library.tempfile, "gettempdir", lambda: str(tmp))
     built = decode_kernel.load()  # the private fallback under the temporary folder
     assert built is not None and built.path.parent.parent == tmp
     assert not any(shared.iterdir())
     built.path.parent.chmod(0o777)
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
     assert decode_kernel.load() is None
     reason = decode_kernel.unavailable_reason()
     assert "no folder of this user's own for the CPU kernels" in reason
@@ -325,7 +326,7 @@ def test_no_decode_kernel_flag_and_fallback(model, fresh_load, monkeypatch, capl
     assert off.runner.decode_kernel is None
     monkeypatch.setenv("PATH", str(fresh_load))  # no compiler: the engine uses SDPA
     monkeypatch.delenv("CXX", raising=False)
-    decode_kernel._load.cache_clear()  # `off` loaded the library for its norm kernels
+    library._load.cache_clear()  # `off` loaded the library for its norm kernels
     with caplog.at_level(logging.INFO, logger="symbiont.serve.model_runner"):
         fallback = Engine(load_client(base, BaseExecutor.from_pretrained(base)), CONFIG)
     assert fallback.runner.decode_kernel is None

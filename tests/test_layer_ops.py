@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from symbiont import BaseExecutor, load_client
+from symbiont.kernels import library
 from symbiont.serve import Engine, EngineConfig, Request, SamplingParams, decode_kernel
 from symbiont.serve.layer_ops import LayerOps
 from tests.test_serve_common import Reference, prompts
@@ -232,12 +233,12 @@ def test_no_layer_ops_flag_and_fallback(model, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SYMBIONT_HOME", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler: PyTorch's operations
     monkeypatch.delenv("CXX", raising=False)
-    decode_kernel._load.cache_clear()
+    library._load.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="symbiont.serve.model_runner"):
             fallback = engine_for(base)
     finally:
-        decode_kernel._load.cache_clear()
+        library._load.cache_clear()
     assert fallback.runner.layer_ops is None and fallback.runner.lean.ops is None
     assert "norms and rotary embedding: PyTorch's operations" in caplog.text
     batch = prompts(3, seed=24, low=3, high=12)

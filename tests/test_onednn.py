@@ -129,6 +129,32 @@ def test_a_lora_step_through_a_onednn_serve_base_equals_vanilla(onednn_base):
         executor.close()
 
 
+def test_decoding_through_a_onednn_serve_base_generates_what_vanilla_does(onednn_base):
+    """A client generating one token per step (one-row calls: symbiont's few-rows kernel
+    where it is built, as the serve-base's log says) gets vanilla transformers' greedy
+    tokens, and logits within fp32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from symbiont.serve import decode_kernel
+
+    path, server = onednn_base
+    built = decode_kernel.load() is not None  # built here: built there (same compiler)
+    assert ("few-rows kernel" in server.log_text()) is built
+    executor = symbiont.connect(server.url("tcp"), mode="shm", checkpoint=path)
+    try:
+        client = symbiont.load_client(path, executor)
+        vanilla = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ids = torch.tensor([[5, 17, 3, 9, 12]])
+        settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = vanilla.generate(ids, **settings, output_logits=True, return_dict_in_generate=True)
+        got = client.generate(ids, **settings, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want.sequences)
+        for g, w in zip(got.logits, want.logits, strict=True):
+            assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
+    finally:
+        executor.close()
+
+
 def test_the_flag_reaches_serve_base_help():
     import subprocess
     import sys

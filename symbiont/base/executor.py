@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -64,6 +65,21 @@ class LoadPlan:
     def make(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> LoadPlan:
         """The plan for the checkpoint folder `path` (imports transformers)."""
         return _plan(Checkpoint.open(path), dtype)[0]
+
+
+# Forward calls of fewer rows than this may go to a few-rows product (`few_rows`)
+FEW_ROWS_MAX = 8
+
+
+class FewRowsProduct(Protocol):
+    """`F.linear(x, weight, bias)` for a few rows by a kernel of its own (symbiont's CPU
+    kernel: symbiont/kernels/few_rows.py); `fits` says which tensors it takes."""
+
+    def fits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool: ...
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -192,6 +208,18 @@ class BaseExecutor(Executor):
 
     fuses_calls = True  # forward_fused is one matmul over layers stored back to back
     products = "torch"  # what computes the products (serve-base --matmul)
+    # Where set (serving executors, serve-base --matmul onednn; never the default, whose
+    # products are bitwise the vanilla model's), forward calls of fewer than FEW_ROWS_MAX
+    # rows that subclasses would give torch go to this kernel instead
+    few_rows: FewRowsProduct | None = None
+
+    def _few_rows_fit(self, x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+        """Whether `few_rows` computes the forward product x weightᵀ + bias."""
+        return (
+            self.few_rows is not None
+            and x.shape[0] < FEW_ROWS_MAX
+            and self.few_rows.fits(x, weight, bias)
+        )
 
     def forward_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """FORWARD of every layer of `layers` on the same x [n_tokens, in] in one call:

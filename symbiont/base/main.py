@@ -36,18 +36,28 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     executor = load(model, device=process.device, dtype=process.dtype)
     if process.matmul == "onednn":
         from symbiont.base.onednn import OneDnnExecutor
+        from symbiont.kernels.few_rows import FewRows
 
-        executor = OneDnnExecutor(executor)
+        executor = OneDnnExecutor(executor, few_rows=FewRows.load())
+        if executor.few_rows is None:
+            from symbiont.kernels import library
+
+            log.info(
+                "products of under 8 rows: torch's, as symbiont's CPU kernels could not "
+                "be built (%s)",
+                library.unavailable_reason(),
+            )
     server = ExecutorServer(executor, config)
     endpoints = server.bind()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.stop())
     log.info(
-        "serving %s (%d layers, %s, %s products, fingerprint %s) on %s, policy %s%s",
+        "serving %s (%d layers, %s, %s products%s, fingerprint %s) on %s, policy %s%s",
         model,
         len(executor.manifest.layers),
         executor.manifest.dtype,
         executor.products,
+        "" if executor.few_rows is None else " (under 8 rows: symbiont's few-rows kernel)",
         executor.manifest.fingerprint,
         ", ".join(endpoints),
         config.policy.kind,

@@ -9,7 +9,9 @@ not tune for, while oneDNN generates its kernels for the CPU it finds. Forward c
 (`x Wᵀ + b`) and backward calls (`grad_y W`, oneDNN's linear on the weight's transposed
 view) of ONEDNN_MIN_ROWS rows and ONEDNN_MIN_MACS multiply-adds or more run there; smaller
 ones stay torch's (at one row oneDNN was 0.34-1.5x torch's, and small layers lose to its
-fixed costs). Unlike packed weights (`symbiont/base/prepack.py`) this serves
+fixed costs), or, where symbiont's CPU kernels are built, forward calls of fewer than 8
+rows go to its few-rows kernel (symbiont/kernels/few_rows.py; serving clients decode a row
+per sequence). Unlike packed weights (`symbiont/base/prepack.py`) this serves
 fine-tuning, and it costs no memory.
 
 Results agree with torch's within fp32 rounding (another summation order), not bit for
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from symbiont.base.executor import BaseExecutor
+from symbiont.base.executor import BaseExecutor, FewRowsProduct
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import Op
 
@@ -62,7 +64,9 @@ class OneDnnExecutor(BaseExecutor):
 
     products = "onednn"
 
-    def __init__(self, base: BaseExecutor):
+    def __init__(self, base: BaseExecutor, few_rows: FewRowsProduct | None = None):
+        """few_rows: computes forward calls of fewer than ONEDNN_MIN_ROWS rows instead of
+        torch (symbiont/kernels/few_rows.py: MKL's one-row products are slow on AMD EPYC)."""
         if not can_use_onednn(base.device, base.manifest.dtype):
             dtype = str(base.manifest.dtype).removeprefix("torch.")
             raise ValueError(
@@ -70,10 +74,14 @@ class OneDnnExecutor(BaseExecutor):
                 f"{base.device}; use --matmul torch (or --dtype float32 on the CPU)"
             )
         super().__init__(base.manifest, base._weights, base.device, base._experts, base._blocks)
+        self.few_rows = few_rows
 
     def run(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         w = self._weights[layer]
         if not _pays(x.shape[0], w.weight.numel()):
+            few = op is Op.FORWARD and w.kind is LayerKind.LINEAR
+            if few and self._few_rows_fit(x, w.weight, w.bias):
+                return self.few_rows(x, w.weight, w.bias)
             return super().run(op, layer, x)
         if op is Op.FORWARD:  # LINEAR: x Wᵀ + b; CONV1D (weight [in, out]): x W + b
             weight = w.weight if w.kind is LayerKind.LINEAR else w.weight.t()
@@ -84,6 +92,8 @@ class OneDnnExecutor(BaseExecutor):
 
     def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         run = self._runs.get(layers)
+        if run is not None and self._few_rows_fit(x, run.weight, run.bias):
+            return self.few_rows(x, run.weight, run.bias).split_with_sizes(run.widths, dim=1)
         if run is None or not _pays(x.shape[0], run.weight.numel()):
             return super().run_fused(layers, x)
         y = onednn_linear(x, run.weight, run.bias)  # [n_tokens, sum_out]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symbiont.base.executor import BaseExecutor, _Weights
+from symbiont.base.executor import BaseExecutor, FewRowsProduct, _Weights
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
 
@@ -101,11 +101,13 @@ class PrepackedExecutor(BaseExecutor):
         min_weights: int = MIN_PACKED_WEIGHTS,
         min_rows: int | Callable[[int], int] | None = packed_min_rows,
         fuse_siblings: bool = True,
+        few_rows: FewRowsProduct | None = None,
     ):
         """min_rows: rows from which a small module's packed copy is used, or a function
         of the product's weights giving them; None: small modules get no packed copy;
         fuse_siblings False: one packed product per layer (how this executor packed before
-        both)."""
+        both); few_rows: computes the forward calls of fewer rows than that on the plain
+        weights instead of `F.linear` (symbiont/kernels/few_rows.py), where it `fits`."""
         if not can_prepack(base.device, base.manifest.dtype):
             raise ValueError(
                 f"packed weights need float32 on a CPU with oneDNN, not "
@@ -142,6 +144,7 @@ class PrepackedExecutor(BaseExecutor):
         blocks = [b for b in base._blocks if not big.intersection(b.layers)]
         super().__init__(base.manifest, weights, base.device, base._experts, blocks)
         self._big = frozenset(big)
+        self.few_rows = few_rows
 
     @property
     def packed_layers(self) -> frozenset[int]:
@@ -153,6 +156,10 @@ class PrepackedExecutor(BaseExecutor):
         if home is None or (
             layer not in self._big and (op is not Op.FORWARD or x.shape[0] < home[0].min_rows)
         ):
+            w = self._weights[layer]
+            few = op is Op.FORWARD and w.kind is LayerKind.LINEAR
+            if few and self._few_rows_fit(x, w.weight, w.bias):
+                return self.few_rows(x, w.weight, w.bias)
             return super().run(op, layer, x)
         if op is not Op.FORWARD:
             raise ExecutorError(
@@ -168,6 +175,9 @@ class PrepackedExecutor(BaseExecutor):
         packed = self._fused.get(layers)
         if packed is not None and x.shape[0] >= packed.min_rows:
             return packed(x)
+        run = self._runs.get(layers)
+        if run is not None and self._few_rows_fit(x, run.weight, run.bias):
+            return self.few_rows(x, run.weight, run.bias).split_with_sizes(run.widths, dim=1)
         return super().run_fused(layers, x)
 
     def _products(self) -> list[_Packed]:

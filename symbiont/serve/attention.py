@@ -18,7 +18,7 @@ group built once for the step. Where the context comes from:
   gathered from the pool a whole KV block at a time (one `index_select`);
 - a chunk that starts its sequence: its own keys (causal SDPA, no gather, no mask).
 On a CPU in float32, a prefill chunk attends through a kernel of our own
-(`csrc/chunk_attention.cpp`, `DecodeKernel.chunk`: causal and windowed limits computed,
+(`kernels/csrc/chunk_attention.cpp`, `DecodeKernel.chunk`: causal and windowed limits computed,
 not read from a mask; 2.0-2.5x faster than SDPA on one core). Where it does not apply (no
 compiler, another dtype or head dim), a long chunk (CHUNK_BLOCKS_MIN tokens or more)
 attends in blocks of queries through SDPA, each over the keys up to its last query,

@@ -390,10 +390,11 @@ class ServerConfig:
         default=True,
         metadata={
             "flag": "--no-prepack",
-            "help": "keep the base weights in the checkpoint's layout; by default, in fp32 on "
-            "a CPU, linear layers of 512K weights or more are repacked once for oneDNN "
-            "(1.2-2x faster matmuls, results within fp32 rounding; docs/serving.md "
-            "Threads). Never with --jobs-dir or --executor",
+            "help": "keep the base weights in the checkpoint's layout and every product "
+            "torch's; by default, in fp32 on a CPU, linear layers of 512K weights or more "
+            "are repacked once for oneDNN (1.2-2x faster matmuls), and smaller layers' "
+            "products of a few rows run through symbiont's CPU kernel (results within fp32 "
+            "rounding; docs/serving.md Threads). Never with --jobs-dir or --executor",
         },
     )
     api_process: bool = field(

@@ -5,10 +5,11 @@ The lean forward (lean.py) runs a Llama-shaped layer's norms and rotary embeddin
 these where they apply. PyTorch runs each as several operations: its CPU RMSNorm is six
 (square, mean, add, rsqrt, two multiplies), rotary embedding of queries and keys seven.
 In a small model's decode step each operation's dispatch costs more than its arithmetic,
-and on a long prefill chunk each pass reads and writes the whole activation again. `csrc/layer_ops.cpp` is built into the same library as the decode
-attention kernel (decode_kernel.py: compiled once with the machine's C++ compiler, cached,
-loaded only from this user's own folders) and called through `ctypes`, which releases
-the GIL. Where it cannot be built, the lean forward uses PyTorch's operations.
+and on a long prefill chunk each pass reads and writes the whole activation again.
+`kernels/csrc/layer_ops.cpp` is part of symbiont's CPU kernel library, with the attention
+kernels (symbiont/kernels/library.py: compiled once with the machine's C++ compiler,
+cached, loaded only from this user's own folders), and called through `ctypes`, which
+releases the GIL. Where it cannot be built, the lean forward uses PyTorch's operations.
 
 Results: rotary embedding and the residual add are bitwise transformers' (the same
 multiplies and adds, never fused into one multiply-add); RMSNorm sums its squares in

@@ -1,0 +1,79 @@
+"""Base products of a few rows through symbiont's CPU kernel (`csrc/few_rows.cpp`).
+
+A decode step with one to a few sequences multiplies a few rows by each base weight.
+PyTorch sends those products to MKL, which on AMD EPYC runs a generic code path
+(`mkl_blas_def_xsgemv`, 35% of a one-sequence decode step of the 4.0M-parameter model in a
+`perf` profile). oneDNN's packed products, which the serving executor uses from a few rows
+on (symbiont/base/prepack.py), cost about 12 µs more per call than a plain one. This
+kernel streams the checkpoint's own `[out, in]` rows once for up to 4 rows of x with its
+sums in registers (BENCHMARKS.md, issue 17, session 18 for what it measured).
+
+It is part of symbiont's CPU kernel library (library.py: compiled once with the machine's
+C++ compiler, cached, loaded only from this user's own folders), called through `ctypes`,
+which releases the GIL. Results agree with `F.linear` within float32 rounding (another
+summation order), not bit for bit, and do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from symbiont.kernels import library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class FewRows:
+    """`few_rows(x, weight, bias)`: `F.linear(x, weight, bias)` for float32 CPU tensors
+    that `fits` takes."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.few_rows_linear
+        self._fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64]
+        self._fn.argtypes += [ctypes.c_int]
+        self._fn.restype = None
+
+    @staticmethod
+    def load() -> FewRows | None:
+        """The kernel (built on first use), or None where the CPU kernels cannot be built
+        (`library.unavailable_reason()` says why)."""
+        built = library.load()
+        return None if built is None else FewRows(built.cdll)
+
+    @staticmethod
+    def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """x [n, in] and weight [out, in] float32 on the CPU with contiguous rows, bias
+        None or [out] contiguous, no gradient wanted (the kernel has no backward)."""
+        return (
+            x.dim() == 2
+            and weight.dim() == 2
+            and x.dtype == weight.dtype == torch.float32
+            and x.is_cpu
+            and weight.is_cpu
+            and x.stride(-1) == 1
+            and weight.stride(-1) == 1
+            and x.shape[1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and not (x.requires_grad or weight.requires_grad)
+        )
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [n, in], weight [out, in], bias [out] -> [n, out]"""
+        (n, width), out_features = x.shape, weight.shape[0]
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(
+                f"few-rows product: bias {tuple(bias.shape)} for {out_features} outputs"
+            )
+        y = x.new_empty(n, out_features)
+        if n and out_features:
+            self._fn(
+                x.data_ptr(), x.stride(0), n,
+                weight.data_ptr(), weight.stride(0), width, out_features,
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(), y.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
+        return y
