@@ -100,19 +100,33 @@ def _open_one(
         executor = BaseExecutor.from_pretrained(model_dir, device=device, dtype=dtype)
         if matmul == "onednn":
             from symbiont.base.onednn import OneDnnExecutor
-            from symbiont.kernels.few_rows import FewRows
 
-            return OneDnnExecutor(executor, few_rows=FewRows.load())
+            executor = OneDnnExecutor(executor)  # refuses what oneDNN does not compute first
+            executor.few_rows = _few_rows()
+            return executor
         if prepack and can_prepack(executor.device, executor.manifest.dtype):
-            from symbiont.kernels.few_rows import FewRows
-
-            return PrepackedExecutor(executor, few_rows=FewRows.load())
+            return PrepackedExecutor(executor, few_rows=_few_rows())
         return executor
     from symbiont.client.remote import connect
 
     options = {} if token is None else {"token": token}  # else $SYMBIONT_TOKEN
     # a client on the executor's GPU keeps calls' tensors there (CUDA IPC)
     return connect(url, checkpoint=model_dir, device=str(device), **options)
+
+
+def _few_rows():
+    """symbiont's few-rows product kernel, or None (and why, in the log)."""
+    from symbiont.kernels import library
+    from symbiont.kernels.few_rows import FewRows
+
+    kernel = FewRows.load()
+    if kernel is None:
+        log.info(
+            "base products of a few rows: torch's, as symbiont's CPU kernels could not be "
+            "built (%s)",
+            library.unavailable_reason(),
+        )
+    return kernel
 
 
 def open_client(model_dir, executor: Executor, *, device="cpu", dtype=None, need_tokenizer=True):
@@ -141,11 +155,36 @@ def load_tokenizer(model_dir: str | os.PathLike, *, required: bool = True):
         ) from err
 
 
-def set_threads(threads: int | None) -> None:
-    """Limit intra-op threads (useful when several clients share a few cores)."""
+def set_threads(threads: int | None, executors: str | Sequence[str] | None = None) -> None:
+    """Limit intra-op threads to `threads` (--threads). Without it, a client of a serve-base
+    on this host (`executors`: the URLs it reaches) leaves that serve-base a core: the
+    serve-base spins on one while it waits for the next call, and a client computing on
+    every core then waits for a core at each parallel operation. On two cores, decoding
+    through a serve-base ran 15-22x slower that way (docs/service.md)."""
     if threads is not None and threads < 1:  # 0 was silently ignored, -2 a torch error
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    if threads:
-        import torch
+    import torch
 
+    if threads:
         torch.set_num_threads(threads)
+        return
+    from symbiont.protocol.urls import is_loopback
+
+    urls = (executors,) if isinstance(executors, str) else tuple(executors or ())
+    if not any(url and is_loopback(url) for url in urls):
+        return
+    spare = max(1, _cores() - 1)
+    if torch.get_num_threads() > spare:
+        torch.set_num_threads(spare)
+        log.info(
+            "computing on %d thread(s), leaving a core to the serve-base on this host "
+            "(--threads chooses)",
+            spare,
+        )
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

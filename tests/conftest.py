@@ -31,6 +31,16 @@ def model_dir(tmp_path_factory):
     return default_model(tmp_path_factory.getbasetemp() / "default-model", pretrain_steps=0)
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """Commands run in this process (`main([...])`) may set torch's threads for their
+    process: the next test gets the session's back (MKL's last bits depend on them)."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny matmuls are far faster on one thread than two busy ones."""

@@ -79,6 +79,16 @@ def test_results_do_not_depend_on_the_thread_count(few_rows, monkeypatch):
     assert torch.allclose(results[0].double(), exact(x, weight, b), atol=ATOL_PER_TERM * 512)
 
 
+def test_a_row_gives_the_same_bits_whatever_the_other_rows(few_rows):
+    """Tiles of 4, 2 and 1 rows, and outputs in full tiles or in the leftover ones, sum
+    each output's lanes by one tree: a decoding sequence's logits do not depend on which
+    others share its step."""
+    x, weight, b = product_of(9, 100, 13, seed=5)  # 13 outputs: a tile of 8 and leftovers
+    alone = torch.cat([few_rows(x[i : i + 1], weight, b) for i in range(9)])
+    for n in range(2, 10):
+        assert torch.equal(few_rows(x[:n], weight, b), alone[:n]), n
+
+
 def test_nan_stays_in_its_row(few_rows):
     x, weight, b = product_of(3, 64, 16, seed=2)
     x[1, 10] = float("nan")
@@ -106,8 +116,13 @@ def test_what_it_does_not_take(few_rows):
     assert not FewRows.fits(x[:, :16], weight, b)  # widths differ
     assert not FewRows.fits(x[0], weight, b)  # one row: [n, in] is asked for
     assert not FewRows.fits(x, weight, b[::2].repeat(2)[::2])  # a strided bias
-    with pytest.raises(ValueError, match=r"bias \(7,\) for 8 outputs"):
-        few_rows(x, weight, b[:7])
+    assert not FewRows.fits(x, weight, b[:7])
+    assert not FewRows.fits(x, weight, b[None])
+    assert not FewRows.fits(x, weight, b.clone().requires_grad_())
+    # called without `fits`, it refuses what would read past the tensors
+    for bad in ((x, weight, b[:7]), (x.double(), weight, b), (x[:, :16], weight, b)):
+        with pytest.raises(ValueError, match="it takes float32 CPU rows"):
+            few_rows(*bad)
 
 
 # -- the executors that use it -----------------------------------------------------------

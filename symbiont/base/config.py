@@ -223,8 +223,9 @@ class BaseProcessConfig:
             "what a vanilla job computes) or onednn (oneDNN on the same weights, float32 on a "
             "CPU, forward and backward, no extra memory: 1.7-2.5x faster than torch's on an AMD "
             "EPYC, results within fp32 rounding of torch's; benchmarks/onednn_matmul.py "
-            "measures your CPU; forward calls of 1-7 rows, as decoding clients send, run "
-            "through symbiont's CPU kernel where it can be built: benchmarks/few_rows.py)",
+            "measures your CPU; forward calls of 1-7 rows of Linear layers, as decoding "
+            "clients send, run through symbiont's CPU kernel where it can be built: "
+            "benchmarks/few_rows.py)",
             "choices": ("torch", "onednn"),
         },
     )

@@ -25,6 +25,7 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     """Serve the base checkpoint in folder `model` as `process` and `config` say."""
     import torch
 
+    from symbiont.base.executor import FEW_ROWS_MAX
     from symbiont.base.plan import load
     from symbiont.base.server import ExecutorServer
 
@@ -38,13 +39,15 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
         from symbiont.base.onednn import OneDnnExecutor
         from symbiont.kernels.few_rows import FewRows
 
-        executor = OneDnnExecutor(executor, few_rows=FewRows.load())
+        executor = OneDnnExecutor(executor)  # refuses what oneDNN does not compute first
+        executor.few_rows = FewRows.load()
         if executor.few_rows is None:
             from symbiont.kernels import library
 
             log.info(
-                "products of under 8 rows: torch's, as symbiont's CPU kernels could not "
+                "products of under %d rows: torch's, as symbiont's CPU kernels could not "
                 "be built (%s)",
+                FEW_ROWS_MAX,
                 library.unavailable_reason(),
             )
     server = ExecutorServer(executor, config)
@@ -57,7 +60,9 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
         len(executor.manifest.layers),
         executor.manifest.dtype,
         executor.products,
-        "" if executor.few_rows is None else " (under 8 rows: symbiont's few-rows kernel)",
+        ""
+        if executor.few_rows is None
+        else f" (under {FEW_ROWS_MAX} rows: symbiont's few-rows kernel)",
         executor.manifest.fingerprint,
         ", ".join(endpoints),
         config.policy.kind,

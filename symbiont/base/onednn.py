@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from symbiont.base.executor import BaseExecutor, FewRowsProduct
+from symbiont.base.executor import FEW_ROWS_MAX, BaseExecutor, FewRowsProduct
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import Op
 
@@ -33,6 +33,8 @@ MATMULS = ("torch", "onednn")
 # Calls of fewer rows stay torch's: at one row oneDNN was 0.34-1.5x torch's (a backward on
 # the transposed view the slowest), from 8 rows 1.05-3.1x (benchmarks/onednn_matmul.py)
 ONEDNN_MIN_ROWS = 8
+# ...and fewer rows than that go to the few-rows kernel where it is given
+assert FEW_ROWS_MAX == ONEDNN_MIN_ROWS, "the few-rows kernel takes what oneDNN leaves"
 # ...and products of fewer multiply-adds (rows x weights) stay torch's too: for small layers
 # oneDNN's fixed cost per call, and about 0.3 ms to build its kernel for each new shape
 # (fine-tuning batches change length), outweigh its gain (128x128 weights: 0.5x at 16
@@ -65,8 +67,9 @@ class OneDnnExecutor(BaseExecutor):
     products = "onednn"
 
     def __init__(self, base: BaseExecutor, few_rows: FewRowsProduct | None = None):
-        """few_rows: computes forward calls of fewer than ONEDNN_MIN_ROWS rows instead of
-        torch (symbiont/kernels/few_rows.py: MKL's one-row products are slow on AMD EPYC)."""
+        """few_rows: computes forward calls of fewer than FEW_ROWS_MAX (= ONEDNN_MIN_ROWS)
+        rows of LINEAR layers instead of torch (symbiont/kernels/few_rows.py: MKL's
+        products of a few rows are slow on AMD EPYC)."""
         if not can_use_onednn(base.device, base.manifest.dtype):
             dtype = str(base.manifest.dtype).removeprefix("torch.")
             raise ValueError(

@@ -88,8 +88,9 @@ def _add_model_flags(parser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads for this process (default: torch's choice); use 1 when "
-        "several clients share a few cores",
+        help="torch intra-op threads for this process (default: torch's choice, one per "
+        "core, less one with an --executor on this host, which spins on a core while it waits "
+        "for calls); use 1 when several clients share a few cores",
     )
     group.add_argument(
         "--matmul",
@@ -266,7 +267,7 @@ def run(args) -> int:
     # refused now, removed only once the new run's model, data and adapter have loaded:
     # a typo in --data must not cost the earlier run
     earlier_run(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-    set_threads(args.threads)
+    set_threads(args.threads, args.executor)
     device = args.device or "cpu"
     check_device(device)
     model_dir = resolve_model(args.model)

@@ -89,7 +89,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--device", help="device of the client side (default: cpu; e.g. cuda:0)")
     parser.add_argument("--dtype", default=None, help="client dtype (default: the executor's)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice, one per core, less one with "
+        "an --executor on this host, which spins on a core while it waits for calls)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -141,7 +147,7 @@ def run(args) -> int:
     from symbiont.tenant import open_client, open_executor, set_threads
     from symbiont.util.device import check_device
 
-    set_threads(args.threads)
+    set_threads(args.threads, args.executor)
     args.model = resolve_model(args.model)
     settings = settings_from(args)
     text = _read_prompt(args)

@@ -25,6 +25,26 @@ from symbiont.kernels import library
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+def _in_bounds(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What keeps the kernel's reads and writes inside the tensors (`fits` checks more:
+    the device, gradients)."""
+    return (
+        x.dtype == weight.dtype == torch.float32
+        and x.dim() == weight.dim() == 2
+        and x.shape[1] == weight.shape[1]
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and (
+            bias is None
+            or (
+                bias.dtype == torch.float32
+                and bias.shape == (weight.shape[0],)
+                and bias.is_contiguous()
+            )
+        )
+    )
+
+
 class FewRows:
     """`few_rows(x, weight, bias)`: `F.linear(x, weight, bias)` for float32 CPU tensors
     that `fits` takes."""
@@ -55,19 +75,33 @@ class FewRows:
             and x.stride(-1) == 1
             and weight.stride(-1) == 1
             and x.shape[1] == weight.shape[1]
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and (bias is None or FewRows._bias_fits(bias, weight.shape[0]))
             and not (x.requires_grad or weight.requires_grad)
+        )
+
+    @staticmethod
+    def _bias_fits(bias: torch.Tensor, out_features: int) -> bool:
+        return (
+            bias.dtype == torch.float32
+            and bias.is_cpu
+            and bias.shape == (out_features,)
+            and bias.is_contiguous()
+            and not bias.requires_grad
         )
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [n, in], weight [out, in], bias [out] -> [n, out]"""
-        (n, width), out_features = x.shape, weight.shape[0]
-        if bias is not None and bias.shape != (out_features,):
+        if not _in_bounds(x, weight, bias):  # the kernel trusts its pointers
             raise ValueError(
-                f"few-rows product: bias {tuple(bias.shape)} for {out_features} outputs"
+                f"few-rows product: x {tuple(x.shape)} {x.dtype}, weight "
+                f"{tuple(weight.shape)} {weight.dtype}, bias "
+                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: it takes "
+                "float32 CPU rows [n, in] and [out, in] with contiguous rows, a contiguous "
+                "[out] bias, no gradient (see FewRows.fits)"
             )
+        (n, width), out_features = x.shape, weight.shape[0]
         y = x.new_empty(n, out_features)
         if n and out_features:
             self._fn(

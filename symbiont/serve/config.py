@@ -383,7 +383,9 @@ class ServerConfig:
         default=None,
         metadata={
             "help": "torch threads for the engine's math (default: torch's choice, one per "
-            "core); 1 is steadiest when other processes share the cores (docs/serving.md)"
+            "core, less one with an --executor on this host, which spins on a core while it "
+            "waits for calls); 1 is steadiest when other processes share the cores "
+            "(docs/serving.md)"
         },
     )
     prepack: bool = field(

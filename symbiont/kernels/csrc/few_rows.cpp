@@ -1,14 +1,15 @@
 // y = x Wᵀ + b for a few rows of x (float32): the base products of a decode step with one
 // to a few sequences, on a CPU. PyTorch runs these through MKL's sgemv/sgemm, which on
-// AMD EPYC takes a generic code path (`mkl_blas_def_xsgemv`): 13-60 GB/s on layers of a
-// 4M-256M-parameter model, against 40-100 GB/s here (BENCHMARKS.md, issue 17, session 18).
-// Built with decode_attention.cpp into one library by symbiont/serve/decode_kernel.py.
+// AMD EPYC takes a generic code path (`mkl_blas_def_xsgemv`); on the layers of 4.0M- and
+// 97.5M-parameter Llamas this kernel ran 1.2-4.0x faster (BENCHMARKS.md, issue 17,
+// session 18). Built with the other kernels into one library by symbiont/kernels/library.py.
 //
 // W is [out, in] with rows `ws` apart (a checkpoint's own layout, or rows of a block of
 // siblings); each row of x and y is contiguous. A tile of O rows of W is read once for N
 // rows of x, with N*O accumulators in registers, so W, the bytes that bound the product,
-// streams from memory once per 4 rows of x. Each output is summed by one thread in a fixed
-// order, so results do not depend on the thread count.
+// streams from memory once per 4 rows of x. Each output is summed by one thread in one
+// order (lanes by one tree, whichever tile computes it), so results depend neither on the
+// thread count nor on the other rows of the call.
 #include <cstdint>
 #ifdef _OPENMP
 #include <omp.h>
@@ -59,7 +60,7 @@ static inline void tile(const float* x, int64_t xs, const float* w, int64_t ws, 
     }
     for (int a = EIGHTS; a < N * O; a++) {
         const v8 f = fold(acc[a]);
-        sums[a] = ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
+        sums[a] = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));  // sum8's tree
     }
     for (int r = 0; r < N; r++)
         for (int j = 0; j < O; j++) {

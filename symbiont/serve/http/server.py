@@ -23,7 +23,7 @@ from symbiont.serve.engine import Engine
 from symbiont.serve.http.api import ServerState, build_app
 from symbiont.serve.http.front import FrontProcess
 from symbiont.serve.http.relay import CoreRelay
-from symbiont.tenant import open_executor
+from symbiont.tenant import open_executor, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +136,8 @@ class BackgroundServer:
 
 def run(config: ServerConfig) -> int:
     """Serve until interrupted (the `symbiont serve` command)."""
-    if config.threads is not None:  # the whole process's setting: never in tests' threads
-        import torch
-
-        torch.set_num_threads(config.threads)
+    # the whole process's setting: never in tests' threads
+    set_threads(config.threads, (config.executor, config.second_executor))
     state = server_state(config)
     front_error: list[str] = []
 

@@ -1,0 +1,74 @@
+"""A client of a serve-base on the same host leaves it a core unless --threads says
+otherwise (symbiont/tenant.py `set_threads`): the serve-base spins on a core while it
+waits for calls, and a client computing on every core then waited for one at each
+parallel operation (decoding through a serve-base on two cores: 15-22x slower)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from symbiont import tenant
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(tenant, "_cores", lambda: 2)
+    torch.set_num_threads(2)  # conftest's autouse fixture restores the session's
+
+
+@pytest.mark.parametrize(
+    "executors",
+    ["tcp://127.0.0.1:7100", ["ipc:///tmp/base.sock"], ("tcp://[::1]:7100", None)],
+)
+def test_a_same_host_executor_gets_a_core(two_cores, executors, caplog):
+    with caplog.at_level(logging.INFO, logger="symbiont.tenant"):
+        tenant.set_threads(None, executors)
+    assert torch.get_num_threads() == 1
+    assert "leaving a core to the serve-base on this host (--threads chooses)" in caplog.text
+
+
+@pytest.mark.parametrize("executors", [None, [], "tcp://10.1.2.3:7100", ["tcp://base:7100"]])
+def test_in_process_or_another_host_keeps_torch_s_choice(two_cores, executors):
+    tenant.set_threads(None, executors)
+    assert torch.get_num_threads() == 2
+
+
+def test_threads_given_are_kept(two_cores):
+    tenant.set_threads(2, "tcp://127.0.0.1:7100")
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        tenant.set_threads(0, None)
+
+
+def test_one_core_stays_one_thread(monkeypatch):
+    monkeypatch.setattr(tenant, "_cores", lambda: 1)
+    torch.set_num_threads(1)
+    tenant.set_threads(None, "tcp://127.0.0.1:7100")
+    assert torch.get_num_threads() == 1
+
+
+def test_generate_through_a_local_serve_base_leaves_it_a_core(
+    model_dir, two_cores, monkeypatch, capsys
+):
+    """The command sets it before it computes: the threads it generated on, seen from
+    inside the sampling loop."""
+    from symbiont import decoding
+    from symbiont.cli import main
+    from symbiont.processes import ServerProcess
+
+    seen = []
+    real = decoding.generate
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "generate", spy)
+    with ServerProcess(model_dir, bind=("tcp://127.0.0.1:*",), args=("--threads", "1")) as base:
+        argv = ["generate", "--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "3"]
+        assert main([*argv, "--executor", base.url("tcp")]) == 0
+    assert seen == [1]
+    capsys.readouterr()
