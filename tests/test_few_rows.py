@@ -83,7 +83,8 @@ def test_a_row_gives_the_same_bits_whatever_the_other_rows(few_rows):
     """Tiles of 4, 2 and 1 rows, and outputs in full tiles or in the leftover ones, sum
     each output's lanes by one tree: a decoding sequence's logits do not depend on which
     others share its step."""
-    x, weight, b = product_of(9, 100, 13, seed=5)  # 13 outputs: a tile of 8 and leftovers
+    x, weight, b = product_of(9, 600, 13, seed=5)  # 13 outputs: a tile of 8 and leftovers;
+    # 600 columns: two chunks for calls of 3 rows or more
     alone = torch.cat([few_rows(x[i : i + 1], weight, b) for i in range(9)])
     for n in range(2, 10):
         assert torch.equal(few_rows(x[:n], weight, b), alone[:n]), n

@@ -5,8 +5,8 @@ PyTorch sends those products to MKL, which on AMD EPYC runs a generic code path
 (`mkl_blas_def_xsgemv`, 35% of a one-sequence decode step of the 4.0M-parameter model in a
 `perf` profile). oneDNN's packed products, which the serving executor uses from a few rows
 on (symbiont/base/prepack.py), cost about 12 µs more per call than a plain one. This
-kernel streams the checkpoint's own `[out, in]` rows once for up to 4 rows of x with its
-sums in registers (BENCHMARKS.md, issue 17, session 18 for what it measured).
+kernel streams the checkpoint's own `[out, in]` rows once for all the rows of x (up to 2
+with every sum in registers, more in chunks of columns kept in L1) (BENCHMARKS.md, issue 17, session 18 for what it measured).
 
 It is part of symbiont's CPU kernel library (library.py: compiled once with the machine's
 C++ compiler, cached, loaded only from this user's own folders), called through `ctypes`,
