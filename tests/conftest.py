@@ -5,7 +5,7 @@ import torch
 
 import symbiont
 from symbiont import BaseExecutor
-from tests.tiny_models import ALL_ARCHS, build_checkpoint
+from tests.tiny_models import ALL_ARCHS, WIDE_LLAMA, build_checkpoint
 
 torch.set_num_threads(2)
 
@@ -21,6 +21,12 @@ def checkpoints(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def wide_llama(tmp_path_factory):
+    """tests.tiny_models.WIDE_LLAMA's checkpoint, built once per test session."""
+    return build_checkpoint(WIDE_LLAMA, tmp_path_factory.mktemp("wide-llama"))
 
 
 @pytest.fixture(scope="session")

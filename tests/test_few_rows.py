@@ -5,8 +5,6 @@ The plain executor never does: its products stay bitwise the vanilla model's."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,6 @@ from symbiont.protocol.executor import Op
 from symbiont.serve import Engine, EngineConfig, SamplingParams
 from symbiont.tenant import open_executor
 from tests.test_serve_common import Reference, prompts
-from tests.tiny_models import ARCHS, build_checkpoint
 
 # Against a float64 product: fp32 rounding of sums of `width` terms of unit scale
 ATOL_PER_TERM = 1e-6
@@ -127,22 +124,6 @@ def test_what_it_does_not_take(few_rows):
 
 
 # -- the executors that use it -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory):
-    """Small layers (kept plain beside a packed copy) of 65K-360K weights."""
-    config = {
-        **ARCHS["llama"].config,
-        "hidden_size": 256,
-        "intermediate_size": 704,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    return build_checkpoint(
-        dataclasses.replace(ARCHS["llama"], config=config), tmp_path_factory.mktemp("wide")
-    )
 
 
 class Counting:

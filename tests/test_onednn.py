@@ -5,8 +5,6 @@ that rounding; clear refusals where oneDNN does not compute."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from symbiont.base.onednn import ONEDNN_MIN_ROWS, OneDnnExecutor, can_use_onednn
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import Op
 from tests.test_exactness import batch, grads, lora, make_pair
-from tests.tiny_models import ARCHS, build_checkpoint
+from tests.tiny_models import ARCHS
 
 pytestmark = pytest.mark.skipif(
     not can_use_onednn("cpu", torch.float32), reason="this torch build has no oneDNN"
@@ -86,21 +84,12 @@ def test_refused_where_onednn_does_not_compute(checkpoints, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def onednn_base(tmp_path_factory):
+def onednn_base(wide_llama):
     """A serve-base --matmul onednn on a Llama whose products of 64 rows are over
-    ONEDNN_MIN_MACS (hidden 256: q/k/v 131K weights, gate/up 360K)."""
+    ONEDNN_MIN_MACS (tests.tiny_models.WIDE_LLAMA: q/k/v 131K weights, gate/up 360K)."""
     from symbiont.processes import ServerProcess
 
-    config = {
-        **ARCHS["llama"].config,
-        "hidden_size": 256,
-        "intermediate_size": 704,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    arch = dataclasses.replace(ARCHS["llama"], config=config)
-    path = build_checkpoint(arch, tmp_path_factory.mktemp("onednn-wide"))
+    path = wide_llama
     server = ServerProcess(path, args=("--threads", "1", "--matmul", "onednn")).start()
     yield path, server
     server.stop()

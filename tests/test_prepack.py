@@ -4,8 +4,6 @@ rounding, the same greedy tokens as vanilla transformers, forward calls only, an
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -26,7 +24,6 @@ from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer
 from symbiont.tenant import open_executor
 from tests.test_serve_common import Reference, prompts
-from tests.tiny_models import ARCHS, build_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN"
@@ -171,23 +168,6 @@ def test_fused_calls_give_what_separate_calls_give(checkpoints, min_weights, row
             plain.forward_fused(partial, x), packed.forward_fused(partial, x), strict=True
         ):
             assert torch.allclose(f, w, atol=ATOL, rtol=RTOL)
-
-
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory):
-    """Layers under MIN_PACKED_WEIGHTS whose products run packed from 2 (gate/up: 360K
-    weights), 3 (down: 180K), 4 (q/k/v: 131K) and 8 rows (o: 65K; the output layer: 32K)."""
-    config = {
-        **ARCHS["llama"].config,
-        "hidden_size": 256,
-        "intermediate_size": 704,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    return build_checkpoint(
-        dataclasses.replace(ARCHS["llama"], config=config), tmp_path_factory.mktemp("wide")
-    )
 
 
 def test_decode_steps_of_few_rows_run_packed_and_generate_what_vanilla_does(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +201,22 @@ MOE_ARCHS = {
     ]
 }
 ALL_ARCHS = ARCHS | FAMILY_ARCHS | MOE_ARCHS
+
+# A one-layer Llama whose layers are under the serving executor's MIN_PACKED_WEIGHTS but
+# not tiny (hidden 256: q/k/v 131K weights, o 65K, gate/up 360K, down 180K): small
+# modules keep their plain weights beside a packed copy (symbiont/base/prepack.py), and
+# products of 64 rows pass serve-base --matmul onednn's ONEDNN_MIN_MACS
+WIDE_LLAMA = dataclasses.replace(
+    ARCHS["llama"],
+    config={
+        **ARCHS["llama"].config,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+)
 
 
 def build_checkpoint(arch: Arch, folder: Path, *, seed: int = 0, dtype=torch.float32) -> Path:

@@ -65,6 +65,26 @@ static inline float lanes(vw a) {
     return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
 }
 
+// y[j] = the lanes of acc[j], plus the columns past the whole vectors, plus b[j], for one
+// row x of the tile's j < O rows of W
+template <int O>
+static inline void finish(const vw* acc, const float* x, const float* w, int64_t ws,
+                          int64_t whole, int64_t in, const float* b, float* y) {
+    float sums[O];
+    if constexpr (O == 8) {  // eight accumulators' lanes summed at once
+        v8 f[8];
+        for (int k = 0; k < 8; k++) f[k] = fold(acc[k]);
+        st(sums, sum8(f));
+    } else {
+        for (int j = 0; j < O; j++) sums[j] = lanes(acc[j]);
+    }
+    for (int j = 0; j < O; j++) {
+        float t = sums[j];
+        for (int64_t k = whole; k < in; k++) t += x[k] * w[j * ws + k];  // the tail
+        y[j] = b ? t + b[j] : t;
+    }
+}
+
 // y[r, j] = x[r] · w[j] + b[j] for r < n (3 to MAX_ROWS), j < O; w points at the tile's
 // first row. Each lane sums its columns in order, chunk after chunk, as one pass would.
 template <int O>
@@ -79,21 +99,8 @@ static void chunked_tile(const float* x, int64_t xs, int64_t n, const float* w, 
         for (; r + 2 <= n; r += 2) pass<2, O>(x + r * xs, xs, w, ws, c, end, part + r * O);
         if (r < n) pass<1, O>(x + r * xs, xs, w, ws, c, end, part + r * O);
     }
-    for (int64_t r = 0; r < n; r++) {
-        float sums[O];
-        if constexpr (O == 8) {  // eight accumulators' lanes summed at once
-            v8 f[8];
-            for (int k = 0; k < 8; k++) f[k] = fold(part[r * O + k]);
-            st(sums, sum8(f));
-        } else {
-            for (int j = 0; j < O; j++) sums[j] = lanes(part[r * O + j]);
-        }
-        for (int j = 0; j < O; j++) {
-            float t = sums[j];
-            for (int64_t k = whole; k < in; k++) t += x[r * xs + k] * w[j * ws + k];  // tail
-            y[r * ys + j] = b ? t + b[j] : t;
-        }
-    }
+    for (int64_t r = 0; r < n; r++)
+        finish<O>(part + r * O, x + r * xs, w, ws, whole, in, b, y + r * ys);
 }
 
 // y[r, j] = x[r] · w[j] + b[j] for r < N (1 or 2), j < O, in one pass with every sum in
@@ -112,21 +119,7 @@ static inline void tile(const float* x, int64_t xs, const float* w, int64_t ws, 
             for (int j = 0; j < O; j++) acc[r * O + j] += xv * wv[j];
         }
     }
-    for (int r = 0; r < N; r++) {
-        float sums[O];
-        if constexpr (O == 8) {
-            v8 f[8];
-            for (int k = 0; k < 8; k++) f[k] = fold(acc[r * O + k]);
-            st(sums, sum8(f));
-        } else {
-            for (int j = 0; j < O; j++) sums[j] = lanes(acc[r * O + j]);
-        }
-        for (int j = 0; j < O; j++) {
-            float t = sums[j];
-            for (int64_t k = whole; k < in; k++) t += x[r * xs + k] * w[j * ws + k];  // tail
-            y[r * ys + j] = b ? t + b[j] : t;
-        }
-    }
+    for (int r = 0; r < N; r++) finish<O>(acc + r * O, x + r * xs, w, ws, whole, in, b, y + r * ys);
 }
 
 // rows [0, N) of x (N: 1 or 2) against rows [o0, o1) of W
