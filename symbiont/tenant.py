@@ -69,13 +69,14 @@ def open_executor(
             f"--matmul {matmul} sets how an executor in this process computes; a serve-base "
             f"computes as it was started: symbiont serve-base --matmul {matmul}"
         )
+    spin = _spinning_pays(urls)
     executors = []
     try:
         for one, token in zip(urls, tokens, strict=True):
             executors.append(
                 _open_one(
                     model_dir, one, device=device, dtype=dtype, prepack=prepack, token=token,
-                    matmul=matmul,
+                    matmul=matmul, spin=spin,
                 )
             )  # fmt: skip
     except BaseException:
@@ -90,8 +91,28 @@ def open_executor(
         raise
 
 
+def _spinning_pays(urls: Sequence[str | None]) -> bool:
+    """Whether this client and the serve-bases it reaches on this host may spin between
+    calls: while each of them can have a core. Two serve-bases on this host (the two
+    parties of --mask-activations shares, in a test or a demo) and a client on two cores
+    would otherwise take turns at a core, every call: 19 against 88 tokens/s generated
+    without spinning (docs/privacy.md)."""
+    from symbiont.protocol.urls import is_loopback
+
+    local = sum(1 for url in urls if url and is_loopback(url))
+    return local < 2 or local + 1 <= _cores()
+
+
 def _open_one(
-    model_dir, url: str | None, *, device, dtype, prepack=False, token=None, matmul="torch"
+    model_dir,
+    url: str | None,
+    *,
+    device,
+    dtype,
+    prepack=False,
+    token=None,
+    matmul="torch",
+    spin=True,
 ) -> Executor:
     if url is None:
         from symbiont.base.executor import BaseExecutor
@@ -110,6 +131,8 @@ def _open_one(
     from symbiont.client.remote import connect
 
     options = {} if token is None else {"token": token}  # else $SYMBIONT_TOKEN
+    if not spin:  # neither side spins: each waits on a pipe (symbiont/protocol/shm.py)
+        options.update(spin_us=0.0, executor_spin=False)
     # a client on the executor's GPU keeps calls' tensors there (CUDA IPC)
     return connect(url, checkpoint=model_dir, device=str(device), **options)
 

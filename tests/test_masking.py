@@ -153,6 +153,30 @@ def test_both_modes_match_unmasked_over_serve_base(two_bases):
             executor.close()
 
 
+@pytest.mark.parametrize("cores, spinning", [(2, False), (8, True)])
+def test_shares_on_this_host_spin_only_with_a_core_each(two_bases, monkeypatch, cores, spinning):
+    """Two serve-bases on the client's host and the client: on two cores nobody spins
+    (each would hold a core the others need at every call: 19 against 88 tokens/s); with
+    a core each they all may. The results are the same either way."""
+    from symbiont import tenant
+    from symbiont.protocol import shm
+
+    path, urls = two_bases
+    monkeypatch.setattr(tenant, "_cores", lambda: cores)
+    ids = torch.randint(0, 2048, (2, 20), generator=torch.Generator().manual_seed(0))
+    want = lora_step(path, BaseExecutor.from_pretrained(path), ids=ids)
+    shares = open_executor(path, urls, mask_activations="shares")
+    try:
+        assert_same_step(lora_step(path, shares, ids=ids), want)
+        for party in shares.executors:
+            assert (party._spin_s > 0) is spinning
+            assert party._segment is not None  # same host: shared memory
+            # the executor's answer to ATTACH(spin=...), in the segment's control block
+            assert bool(party._segment.ctrl[shm.SPIN_OK]) is (spinning and shm.SPIN_SAFE)
+    finally:
+        shares.close()
+
+
 def test_generate_cli_with_shares_over_two_bases(two_bases, capsys):
     path, urls = two_bases
     args = ["generate", "--model", str(path), "--prompt", "Q: 2 plus 3?", "--threads", "1"]

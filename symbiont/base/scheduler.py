@@ -35,6 +35,7 @@ class Session:
     connected_at: float
     segment: object = None  # shm.Segment once the client attached shared memory
     seen_seq: int = 0  # last shared-memory request sequence number taken
+    spin: bool = True  # False: its client asked (ATTACH) that the executor not spin
     pending: object = None  # (Call message, x, bytes received) of a CALL sent in DATA parts
     waiting: bool = False  # has a call queued or running
     last_reply: float = float("-inf")  # monotonic time its last call was answered

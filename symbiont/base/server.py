@@ -433,6 +433,7 @@ class ExecutorServer:
             self._retire(session.segment)
         session.segment = segment
         session.seen_seq = segment.ctrl[shm.REQ_SEQ]
+        session.spin = attach.spin
         segment.ctrl[shm.DOORBELL] = self._wake_w
         self._fit_to_sessions()
         ok = Ok(call_id=attach.call_id, segment=segment.path, gpu_areas=segment.gpu_share)
@@ -911,7 +912,11 @@ class ExecutorServer:
         # take turns on two cores and both may spin.
         workers = self._pool is not None and len(self.sessions) > 1
         busy = 1 + (self.config.workers if workers else 0)
-        self._spin_ok = self._spin_s > 0 and len(self.sessions) + busy <= self._cores
+        self._spin_ok = (
+            self._spin_s > 0
+            and len(self.sessions) + busy <= self._cores
+            and all(s.spin for s in self._shm_sessions())  # a client's cores are taken
+        )
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
 

@@ -80,7 +80,9 @@ class ClientConfig:
     attempts the call raises ExecutorUnavailable. spin_us: how long the client polls
     shared memory for the answer before it sleeps on the socket (only while the executor
     says every same-host client can have a core; a 64-token call of a 100M model's layer
-    takes 1-10 ms, and a wake-up through the socket about 0.1-0.2 ms).
+    takes 1-10 ms, and a wake-up through the socket about 0.1-0.2 ms). executor_spin
+    False: ask the executor (ATTACH) not to spin between calls while this client's segment
+    is attached, where the client's cores are taken (beside two serve-bases on its host).
     """
 
     mode: Mode = Mode.AUTO
@@ -91,6 +93,7 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     retries: int = 2
     spin_us: float = 10000.0
+    executor_spin: bool = True
     shm_tokens: int = 64  # initial shared-memory capacity, in tokens of the widest layer
     fuse: bool = True  # one round trip for forward calls sharing an input (q/k/v, gate/up)
     # Where the client computes: on the executor's GPU, calls' tensors stay on it (the
@@ -423,7 +426,9 @@ class RemoteExecutor(Executor):
     def _attach(self, capacity: int, gpu: str | None) -> shm.Segment:
         """ATTACH and map the segment the executor made: areas on our GPU `gpu` (its
         UUID) if it computes there, else in the host segment."""
-        attach = Attach(call_id=self._new_id(), capacity=capacity, gpu=gpu)
+        attach = Attach(
+            call_id=self._new_id(), capacity=capacity, gpu=gpu, spin=self.config.executor_spin
+        )
         ok = self._await(self._send(attach), self.config.connect_timeout_s)
         areas = None
         if ok.gpu_areas is not None:

@@ -232,6 +232,12 @@ class Attach:
         "UUID of the client's GPU: areas there if the executor computes on it",
         default=None,
     )
+    spin: bool = wire(
+        flag(),
+        "false: this client's cores are taken (it computes beside other executors that "
+        "spin): the executor does not spin between calls while this segment is attached",
+        default=True,
+    )
 
 
 @dataclass(frozen=True)
