@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_checks.sh                 # all steps
 #   STEPS="tests transport" bash benchmarks/gpu_checks.sh
+#   MPS=1 STEPS="switch transport" TRANSPORT_ARGS="--tokens 1,64 --calls 500" bash ...
 #
 # Packages the machine lacks can come as wheels in .whl/ (ignored by git): they are
 # installed into /tmp/site first. Steps:
@@ -12,15 +13,19 @@
 #   transport  benchmarks/transport_overhead.py --device cuda: CUDA IPC vs host areas
 #   roofline   benchmarks/gpu_roofline.py: base layers' time vs their memory roofline
 #   memory     benchmarks/multi_finetune.py --device cuda: N jobs' GPU memory, split vs not
+#   switch     benchmarks/gpu_process_switch.py: two processes taking turns on the GPU
+#
+# MPS=1 runs the steps under NVIDIA MPS (a control daemon started here and stopped at
+# the end), so that every process's kernels share one GPU context; logs get "-mps".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-tests transport roofline memory}
+STEPS=${STEPS:-tests transport roofline memory switch}
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
+    [[ -f /tmp/site/.installed ]] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.installed || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
@@ -29,21 +34,34 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+SUFFIX=
+if [[ ${MPS:-0} == 1 ]]; then
+    MPS_CONTROL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+    [[ -n $MPS_CONTROL ]] || { echo "MPS=1: no nvidia-cuda-mps-control on this machine"; exit 1; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    "$MPS_CONTROL" -d || { echo "MPS=1: $MPS_CONTROL -d failed"; exit 1; }
+    trap 'echo quit | "$MPS_CONTROL"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log > "$OUT/mps-daemon.log" 2>&1' EXIT
+    echo "MPS: control daemon started ($MPS_CONTROL)"
+    SUFFIX=-mps
+fi
+
 step() {  # name, seconds, command...
     local name=$1 limit=$2
     shift 2
     [[ " $STEPS " == *" $name "* ]] || return 0
     echo "=== $name ($(date +%T), at most ${limit}s)"
     local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" > "$OUT/$name$SUFFIX.log" 2>&1
     local rc=$?
-    tail -n 40 "$OUT/$name.log"
+    tail -n 40 "$OUT/$name$SUFFIX.log"
     echo "=== $name: exit $rc after $((SECONDS - start))s"
 }
 
-step tests 180 "$PY" -m pytest -q -x -rs tests/test_gpu.py
+step switch 60 "$PY" benchmarks/gpu_process_switch.py --exchanges ${EXCHANGES:-5000}
+step tests 180 "$PY" -m pytest -q -x -rs tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"}
 step transport 90 "$PY" benchmarks/transport_overhead.py --device cuda --hidden 4096 \
-    --tokens 1,64,512 --calls 1000
+    ${TRANSPORT_ARGS:---tokens 1,64,512 --calls 1000}
 step roofline 120 "$PY" benchmarks/gpu_roofline.py --out "$OUT/roofline.json"
 step memory 180 "$PY" benchmarks/multi_finetune.py --device cuda --model 443m --jobs 1,4 \
     --steps 3 --arms vanilla,symbiont

@@ -50,6 +50,8 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
                 FEW_ROWS_MAX,
                 library.unavailable_reason(),
             )
+    if executor.device.type == "cuda":
+        _hint_mps(executor.device)
     server = ExecutorServer(executor, config)
     endpoints = server.bind()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -83,6 +85,16 @@ def _write_ready(path: Path, endpoints: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"endpoints": endpoints, "pid": os.getpid()}))
     tmp.replace(path)  # atomically: a supervisor never reads half of it
+
+
+def _hint_mps(device) -> None:
+    """Say, at start-up, what clients on this GPU need to be fast (they warn too)."""
+    from symbiont.protocol import gpu_areas
+
+    if gpu_areas.mps_running():
+        log.info("NVIDIA MPS is running: clients on %s share its context with this one", device)
+    else:
+        log.info("clients that compute on %s too: %s", device, gpu_areas.MPS_HINT)
 
 
 def _allow_files(wanted: int) -> None:

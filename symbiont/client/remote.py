@@ -156,6 +156,17 @@ def stats_of(url: str, *, token: str | None = None, timeout_s: float = 10.0) -> 
     return reply.stats
 
 
+_mps_hinted = False
+
+
+def _hint_mps_once() -> None:
+    """Warn, once per process, that a client on the executor's GPU runs without MPS."""
+    global _mps_hinted
+    if not _mps_hinted and not gpu_areas.mps_running():
+        _mps_hinted = True
+        log.warning("this client computes on the executor's GPU: %s", gpu_areas.MPS_HINT)
+
+
 class _Lost(Exception):
     """No answer: re-make the connection and resend. The text says what happened."""
 
@@ -436,6 +447,7 @@ class RemoteExecutor(Executor):
             if index is None:
                 raise ValueError("the executor put the areas on a GPU this client lacks")
             areas = (index, ok.gpu_areas)
+            _hint_mps_once()
         return shm.Segment.open(ok.segment or "", capacity, gpu=areas)
 
     # -- calls -------------------------------------------------------------------

@@ -12,12 +12,19 @@ The GPU is matched by UUID, not by index: `cuda:0` of a client started with
 CUDA_VISIBLE_DEVICES=1 is the host's second GPU. A client on another GPU, or on the
 CPU, gets host areas.
 
+Two processes taking turns on one GPU pay for the GPU switching between their contexts:
+about 300 µs per call on an H200 without NVIDIA MPS, 40 µs under it, measured by
+benchmarks/gpu_process_switch.py (BENCHMARKS.md, "On a GPU"). So a client that gets
+areas here and finds no MPS daemon says how to start one (`MPS_HINT`).
+
 The handle is what `torch.multiprocessing` sends for a CUDA tensor (`_share_cuda_`),
 sent here as typed msgpack fields, never pickled. The executor owns the memory: a client
 only maps it, and torch keeps it allocated until every process that mapped it let go.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,6 +41,21 @@ SHARE_FIELDS = (
 )
 MAX_HANDLE_BYTES = 1024
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
+
+
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # where CUDA looks for the daemon without the variable
+MPS_HINT = (
+    "without an NVIDIA MPS daemon the GPU switches between the client's and the "
+    "executor's process at every call (about 0.3 ms each); start one before both, with "
+    "the same CUDA_MPS_PIPE_DIRECTORY: `nvidia-cuda-mps-control -d` (docs/service.md)"
+)
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon listens where this process's CUDA looks for one.
+    (A process started before the daemon still runs without it: CUDA asks once.)"""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+    return os.path.exists(os.path.join(pipes, "control"))
 
 
 def uuid_of(device) -> str | None:
