@@ -24,6 +24,9 @@ adapters with Zipf popularity instead, as benchmarks/serve.py does). Runs, each
   cache N            --adapter-dir with --max-loras N below the working set: adapters come
                      from the host tier into N slots as requests need them (--cache-slots,
                      0 skips it)
+  100 resident, torch rows
+                     (--rows-ab) the resident run with decoding tokens' LoRA through
+                     PyTorch's embedding_bag, not symbiont's CPU kernel (lora_rows.cpp)
 
 Prints generated tokens per CPU second of the process (prefill included; with one torch
 thread, CPU time is what the work cost, and it moves far less than wall time when other
@@ -226,6 +229,12 @@ def main(argv=None) -> int:
         help="base weights in oneDNN's layout, as `symbiont serve` holds them by default "
         "(a faster base: the same adapter math weighs more against it)",
     )
+    p.add_argument(
+        "--rows-ab",
+        action="store_true",
+        help="one more run: the resident adapters with tokens' LoRA rows through PyTorch's "
+        "embedding_bag instead of symbiont's CPU kernel (what the engine did before it)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -260,6 +269,9 @@ def main(argv=None) -> int:
     for path in paths:
         lora.load_adapter(path.name, path)
     engines["base rows"] = engines[f"{args.adapters} resident"] = lora
+    torch_rows = f"{args.adapters} resident, torch rows"
+    if args.rows_ab:
+        engines[torch_rows] = lora
     if args.cache_slots:
         cache = Engine.from_pretrained(
             model, executor=executor, config=EngineConfig(**limits, max_adapters=args.cache_slots)
@@ -272,6 +284,19 @@ def main(argv=None) -> int:
     prompts, picks = make_trace(args, vocab, args.adapters)
     names = {run_name: [paths[i].name for i in picks] for run_name in engines}
     names["base"] = names["base rows"] = [None] * args.requests
+
+    def run_as(run_name, *run_args):
+        """`run`, with the LoRA rows kernel off for the torch-rows run."""
+        from symbiont.serve import adapters
+
+        kernel = adapters.rows_kernel
+        if run_name == torch_rows:
+            adapters.rows_kernel = lambda: None
+        try:
+            return run(*run_args)
+        finally:
+            adapters.rows_kernel = kernel
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(
         f"model {model} (98.6M), {args.adapters} LoRA adapters ranks {args.ranks} on "
@@ -281,14 +306,14 @@ def main(argv=None) -> int:
         flush=True,
     )
     for run_name, engine in engines.items():  # warm-up: first calls, the cache's host tier
-        run(engine, prompts[: args.max_running], names[run_name][: args.max_running],
+        run_as(run_name, engine, prompts[: args.max_running], names[run_name][: args.max_running],
             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
             timers[id(engine)])  # fmt: skip
     results = defaultdict(list)  # run -> [(tokens/CPU s, step CPU ms, batch, tokens/s)]
     for repeat in range(args.repeats):
         for run_name, engine in engines.items():
             results[run_name].append(
-                run(engine, prompts, names[run_name], params, timers[id(engine)])
+                run_as(run_name, engine, prompts, names[run_name], params, timers[id(engine)])
             )
             rate, step, batch, wall = results[run_name][-1]
             print(f"  repeat {repeat}: {run_name:<14} {rate:7.1f} tok/CPU-s {wall:7.1f} tok/s"

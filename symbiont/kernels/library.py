@@ -14,7 +14,9 @@ What the library holds, and who calls it:
   (symbiont/serve/decode_kernel.py);
 - `layer_ops.cpp`: the lean forward's norms and rotary embedding (symbiont/serve/layer_ops.py);
 - `few_rows.cpp`: base products of a few rows (`few_rows.py` here), for the serving
-  executor and `serve-base --matmul onednn` (symbiont/base/).
+  executor and `serve-base --matmul onednn` (symbiont/base/);
+- `lora_rows.cpp`: the serving engine's LoRA of tokens each on its own adapter
+  (`lora_rows.py` here, used by symbiont/serve/adapters.py).
 
 Where it cannot be built (no compiler, a compiler too old for `__builtin_shufflevector`:
 GCC 12 or clang), `load()` returns None and `unavailable_reason()` says why; every caller
@@ -42,12 +44,14 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # one library: decode and prefill-chunk attention (serve/decode_kernel.py), the lean
-# forward's norms and rotary (serve/layer_ops.py), and products of a few rows (few_rows.py)
+# forward's norms and rotary (serve/layer_ops.py), products of a few rows (few_rows.py) and
+# LoRA rows read in place (lora_rows.py)
 SOURCES = (
     CSRC / "decode_attention.cpp",
     CSRC / "chunk_attention.cpp",
     CSRC / "layer_ops.cpp",
     CSRC / "few_rows.cpp",
+    CSRC / "lora_rows.cpp",
 )
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -234,7 +238,7 @@ def _cpu_fingerprint() -> str:
 
 
 SYMBOLS = ("decode_attention", "chunk_attention", "chunk_attention_scratch", "rms_norm", "rotary")
-SYMBOLS += ("few_rows_linear",)
+SYMBOLS += ("few_rows_linear", "lora_rows")
 
 
 def _check_symbols(lib: ctypes.CDLL) -> None:

@@ -9,9 +9,10 @@ unit IA3. Per iteration the layer runs one base call for all tokens, one gather 
 and DoRA, and LoRA only for the tokens that use it, two ways (chosen once per iteration
 by `adapter_batch`):
 
-- tokens whose adapter has few tokens in the batch (decoding sequences): two
-  `embedding_bag`s that read each token's A and B rows straight from the stacks, no
-  copy of any weight (`LoraRows`; the SGMV shrink/expand pair of punica and vLLM);
+- tokens whose adapter has few tokens in the batch (decoding sequences): each token's
+  A and B rows read straight from the stacks, no copy of any weight (`LoraRows`; the
+  SGMV shrink/expand pair of punica and vLLM), through symbiont's CPU kernel
+  (symbiont/kernels/lora_rows.py) or, where it does not apply, two `embedding_bag`s;
 - tokens of an adapter with many (prefill chunks): grouped by slot in rank buckets, the
   slot's A and B gathered once and applied with a `bmm` pair (`LoraBucket`).
 
@@ -21,6 +22,7 @@ AdaLoRA, VeRA, LoHa and DoRA become LoRA slots and LoKr a per-slot `RowDelta`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -32,11 +34,13 @@ from peft.utils.other import get_pattern_key
 from torch import nn
 
 from symbiont.adapters.spec import PEFT_KEY_PREFIX, AdapterError, AdapterSpec, read_adapter
+from symbiont.kernels.lora_rows import LoraRowsKernel, RowsIndex
 from symbiont.model.layers import find_base_layers, spec_of
 from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
 from symbiont.serve.context import AdapterBatch, LoraBucket, current_context
 from symbiont.serve.virtual_tokens import PROMPT_METHODS, VirtualTokens, read_virtual_tokens
+from symbiont.util import memory
 
 SERVED_METHODS = (
     *("lora", "ia3", "adalora", "vera", "loha", "lokr", "dora"),
@@ -65,6 +69,12 @@ RANK_CHUNK = 16
 # once and applied with bmm (a GEMM per slot); with fewer, each token reads its rows in
 # place (embedding_bag: a GEMV per token, which rereads the rows from cache per token).
 DENSE_MIN_TOKENS = 8
+
+
+@functools.cache
+def rows_kernel() -> LoraRowsKernel | None:
+    """symbiont's CPU kernel for LoRA rows read in place (None: it cannot be built here)."""
+    return LoraRowsKernel.load()
 
 
 class AdapterNotFound(KeyError):
@@ -170,7 +180,7 @@ class AdapterLayer(nn.Module):
             y = y * self.ia3_out[batch.token_slots]
         if batch.has_dora and self.dora_scale is not None:
             y = self._dora_rescale(y, self.dora_scale[batch.token_slots])
-        if lora and rows is not None:
+        if lora and rows is not None and not self._lora_rows_in_place(flat, y, rows):
             delta = self._lora_rows(flat, rows)  # [n_rows, out]
             if rows.all_tokens:
                 y += delta
@@ -202,6 +212,20 @@ class AdapterLayer(nn.Module):
         delta = torch.bmm(torch.bmm(xg, a_t), b)  # [groups, max_len, out]
         return delta.reshape(-1, self.out_features).index_select(0, bucket.rows)
 
+    def _lora_rows_in_place(self, flat: torch.Tensor, y: torch.Tensor, rows: LoraRows) -> bool:
+        """Per-token LoRA through symbiont's CPU kernel, added into y [n_tokens, out] in
+        place; False where the kernel does not apply (no compiler, not float32 on the CPU,
+        gradients), and `_lora_rows` runs instead."""
+        kernel = rows_kernel()
+        if kernel is None or not kernel.fits(flat, y, self.lora_a_t, self.lora_b):
+            return False
+        num_slots, chunks = self.lora_a_t.shape[:2]
+        index = rows.index(flat.shape[0], num_slots, chunks, self.lora_b.shape[1])
+        if index is None:
+            return False
+        kernel(flat, y, index, self.lora_a_t, self.lora_b)
+        return True
+
     def _lora_rows(self, flat: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """Per-token LoRA read in place: h = Aᵀ[s] x (shrink), then B[s]ᵀ h (expand), as
         weighted sums of stack rows. flat [n_tokens, in] -> [n_rows, out] in `rows.tokens`
@@ -223,10 +247,11 @@ class AdapterLayer(nn.Module):
         if self.lora_a_t is None:
             like = dict(dtype=self._dtype(), device=self._device())
             chunks = -(-max_rank // RANK_CHUNK)
-            self.lora_a_t = torch.zeros(
+            # on huge pages: a decode step streams scattered regions of these stacks
+            self.lora_a_t = memory.zeros(
                 self.num_slots, chunks, self.in_features, RANK_CHUNK, **like
             )
-            self.lora_b = torch.zeros(self.num_slots, max_rank, self.out_features, **like)
+            self.lora_b = memory.zeros(self.num_slots, max_rank, self.out_features, **like)
 
     def ensure_ia3(self, feedforward: bool) -> torch.Tensor:
         name, width = (
@@ -556,7 +581,16 @@ class LoraRows:
     slots: torch.Tensor  # [n_rows] adapter slot of each token
     ranks: torch.Tensor  # [n_rows] the slot's bucket rank (its rank, or a zero-padded bound)
     all_tokens: bool  # the rows are every token of the batch, in order
-    plans: dict = field(default_factory=dict)  # stack shape -> RowsPlan, once per iteration
+    plans: dict = field(default_factory=dict)  # stack shape -> RowsPlan / RowsIndex, per iteration
+
+    def index(self, n_tokens: int, num_slots: int, chunks: int, r_max: int) -> RowsIndex | None:
+        """The rows checked for the kernel against a stack's shape (None: out of range)."""
+        key = ("kernel", n_tokens, num_slots, chunks, r_max)
+        if key not in self.plans:
+            self.plans[key] = RowsIndex.check(
+                self.tokens, self.slots, self.ranks, n_tokens, num_slots, chunks, r_max
+            )
+        return self.plans[key]
 
     def plan(self, num_slots: int, chunks: int, in_features: int, r_max: int) -> RowsPlan:
         key = (num_slots, chunks, in_features, r_max)

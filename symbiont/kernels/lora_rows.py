@@ -1,0 +1,127 @@
+"""LoRA of tokens each on its own adapter, through symbiont's CPU kernel (`csrc/lora_rows.cpp`).
+
+A serving step whose sequences each use another adapter must read every one's A and B in
+every adapted layer, and those bytes bound it. PyTorch's `embedding_bag`, which the
+engine used for this (symbiont/serve/adapters.py, `LoraRows`), streamed them at a third
+to two thirds of what one core streams; the kernel reads each adapter's rows front to
+back (BENCHMARKS.md, issue 17, session 19 for what it measured).
+
+Indices are checked once per iteration (`RowsIndex.check`), and each call checks in O(1)
+that its tensors have the shapes they were checked against: the kernel trusts its
+pointers. Results agree with `embedding_bag`'s within float32 rounding (another summation
+order) and do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from symbiont.kernels import library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+RANK_CHUNK = 16  # ranks per chunk of the Aᵀ stack (csrc/lora_rows.cpp)
+MAX_CHUNKS = 64  # the kernel's buffer: ranks up to 1024
+
+
+@dataclass(frozen=True)
+class RowsIndex:
+    """Rows (token, slot, rank) checked against the shapes of one batch and one stack."""
+
+    tokens: torch.Tensor  # [n_rows] int64, distinct, each < n_tokens
+    slots: torch.Tensor  # [n_rows] int64, each < num_slots
+    ranks: torch.Tensor  # [n_rows] int64, each <= min(16 * chunks, r_max)
+    n_tokens: int
+    num_slots: int
+    chunks: int
+    r_max: int
+
+    @staticmethod
+    def check(tokens, slots, ranks, n_tokens, num_slots, chunks, r_max) -> RowsIndex | None:
+        """The rows as the kernel takes them, or None where an index is out of range."""
+        tokens, slots, ranks = (t.to(torch.int64).contiguous() for t in (tokens, slots, ranks))
+        n = tokens.shape[0]
+        if not (
+            tokens.dim() == slots.dim() == ranks.dim() == 1
+            and slots.shape[0] == ranks.shape[0] == n
+            and tokens.is_cpu
+            and slots.is_cpu
+            and ranks.is_cpu
+            and 0 < chunks <= MAX_CHUNKS
+        ):
+            return None
+        if n and not (
+            0 <= int(tokens.min()) <= int(tokens.max()) < n_tokens
+            and (n == 1 or bool((tokens.diff() > 0).all()))  # distinct: threads split rows
+            and 0 <= int(slots.min()) <= int(slots.max()) < num_slots
+            and 0 <= int(ranks.min()) <= int(ranks.max()) <= min(RANK_CHUNK * chunks, r_max)
+        ):
+            return None
+        return RowsIndex(tokens, slots, ranks, n_tokens, num_slots, chunks, r_max)
+
+
+class LoraRowsKernel:
+    """`kernel(x, y, index, a_t, b)`: y[t] += x[t] · A[s]ᵀ · B[s]ᵀ for each row of `index`."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.lora_rows
+        self._fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR]
+        self._fn.argtypes += [_I64, _I64, _PTR, _I64, ctypes.c_int]
+        self._fn.restype = None
+
+    @staticmethod
+    def load() -> LoraRowsKernel | None:
+        """The kernel (built on first use), or None where the CPU kernels cannot be built
+        (`library.unavailable_reason()` says why)."""
+        built = library.load()
+        return None if built is None else LoraRowsKernel(built.cdll)
+
+    @staticmethod
+    def fits(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor) -> bool:
+        """float32 CPU tensors: x [n, in] and y [n, out] with contiguous rows, the stacks
+        Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] contiguous, no gradient."""
+        tensors = (x, y, a_t, b)
+        return (
+            all(t.dtype == torch.float32 and t.is_cpu and not t.requires_grad for t in tensors)
+            and x.dim() == y.dim() == 2
+            and a_t.dim() == 4
+            and b.dim() == 3
+            and x.shape[0] == y.shape[0]
+            and x.stride(-1) == 1
+            and y.stride(-1) == 1
+            and a_t.shape[1] <= MAX_CHUNKS
+            and a_t.shape[2:] == (x.shape[1], RANK_CHUNK)
+            and b.shape[0] == a_t.shape[0]
+            and b.shape[2] == y.shape[1]
+            and a_t.is_contiguous()
+            and b.is_contiguous()
+        )
+
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, index: RowsIndex, a_t: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        """Adds each row's LoRA term into y in place. x [n_tokens, in], y [n_tokens, out],
+        a_t [slots, chunks, in, 16], b [slots, r_max, out]."""
+        if not (
+            self.fits(x, y, a_t, b)
+            and x.shape[0] == index.n_tokens
+            and a_t.shape[:2] == (index.num_slots, index.chunks)
+            and b.shape[1] == index.r_max
+        ):
+            raise ValueError(
+                f"LoRA rows: x {tuple(x.shape)}, y {tuple(y.shape)}, Aᵀ {tuple(a_t.shape)}, "
+                f"B {tuple(b.shape)} do not match the rows checked for {index.n_tokens} "
+                f"tokens, {index.num_slots} slots, {index.chunks} chunks, rank {index.r_max} "
+                "(see LoraRowsKernel.fits and RowsIndex.check)"
+            )
+        n_rows = index.tokens.shape[0]
+        if n_rows and y.shape[1]:
+            self._fn(
+                x.data_ptr(), x.stride(0),
+                index.tokens.data_ptr(), index.slots.data_ptr(), index.ranks.data_ptr(), n_rows,
+                a_t.data_ptr(), a_t.shape[1], x.shape[1],
+                b.data_ptr(), b.shape[1], b.shape[2],
+                y.data_ptr(), y.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
