@@ -245,7 +245,8 @@ def test_a_failing_compiler_is_reported(fresh_load, monkeypatch):
     assert decode_kernel.load() is None
     reason = decode_kernel.unavailable_reason()
     assert (
-        "could not build decode_attention.cpp, chunk_attention.cpp, layer_ops.cpp, few_rows.cpp: "
+        "could not build decode_attention.cpp, chunk_attention.cpp, layer_ops.cpp, few_rows.cpp, "
+        "lora_rows.cpp: "
         "broken-cxx: error: no such flag" in reason
     )
     assert not any((fresh_load / "kernels").iterdir())  # the partial file is gone

@@ -244,3 +244,27 @@ def test_huge_pages_elsewhere_change_nothing(monkeypatch):
     monkeypatch.setattr(memory, "_madvise", lambda: None)
     assert not memory.advise_huge_pages(0, 1 << 30)
     assert torch.equal(memory.zeros(2, 1 << 21, dtype=torch.float32), torch.zeros(2, 1 << 21))
+
+
+@pytest.mark.parametrize("pages", [[], ["--small-pages"]], ids=["huge", "small"])
+def test_the_benchmark_runs(kernel, pages):
+    """benchmarks/lora_rows.py at its smallest: both arms timed, their outputs compared."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable, str(repo / "benchmarks" / "lora_rows.py"), "--tokens", "3",
+            "--layers", "2", "--adapters", "5", "--width", "40", "--rounds", "1", *pages,
+        ],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)},
+        timeout=300, check=True,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:3]] == ["kernel", "embedding_bag"], done.stdout
+    ratio = lines[3]
+    assert ratio.startswith("embedding_bag / kernel: ") and "x (largest difference" in ratio
+    assert float(ratio.split("difference of one layer's outputs: ")[1].rstrip(")")) < 1e-5
