@@ -235,6 +235,14 @@ def main(argv=None) -> int:
         help="one more run: the resident adapters with tokens' LoRA rows through PyTorch's "
         "embedding_bag instead of symbiont's CPU kernel (what the engine did before it)",
     )
+    p.add_argument(
+        "--lora-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the adapters' engines hold LoRA weights in this dtype (`symbiont serve "
+        "--lora-dtype`; the adapters here are saved in float32, so bfloat16 rounds them: "
+        "a timing, not an exactness, comparison)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -264,7 +272,9 @@ def main(argv=None) -> int:
         "base": Engine.from_pretrained(model, executor=executor, config=EngineConfig(**limits))
     }
     lora = Engine.from_pretrained(
-        model, executor=executor, config=EngineConfig(**limits, max_adapters=args.adapters)
+        model,
+        executor=executor,
+        config=EngineConfig(**limits, max_adapters=args.adapters, lora_dtype=args.lora_dtype),
     )
     for path in paths:
         lora.load_adapter(path.name, path)
@@ -273,9 +283,10 @@ def main(argv=None) -> int:
     if args.rows_ab:
         engines[torch_rows] = lora
     if args.cache_slots:
-        cache = Engine.from_pretrained(
-            model, executor=executor, config=EngineConfig(**limits, max_adapters=args.cache_slots)
+        cache_config = EngineConfig(
+            **limits, max_adapters=args.cache_slots, lora_dtype=args.lora_dtype
         )
+        cache = Engine.from_pretrained(model, executor=executor, config=cache_config)
         cache.attach_adapter_dir(adapter_dir)
         engines[f"cache {args.cache_slots}"] = cache
     timers = {id(e): StepTimer(e) for e in set(engines.values())}
@@ -302,7 +313,8 @@ def main(argv=None) -> int:
         f"model {model} (98.6M), {args.adapters} LoRA adapters ranks {args.ranks} on "
         f"{'/'.join(TARGETS[args.targets])}, {args.requests} requests x {args.max_tokens} tokens, "
         f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, {args.max_running} running, "
-        f"{args.threads} thread(s), {args.repeats} repeats",
+        f"{args.threads} thread(s), {args.repeats} repeats, LoRA weights held in "
+        f"{args.lora_dtype or 'the model dtype'}",
         flush=True,
     )
     for run_name, engine in engines.items():  # warm-up: first calls, the cache's host tier

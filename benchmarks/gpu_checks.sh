@@ -40,6 +40,7 @@ if [[ ${MPS:-0} == 1 ]]; then
     [[ -n $MPS_CONTROL ]] || { echo "MPS=1: no nvidia-cuda-mps-control on this machine"; exit 1; }
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    echo quit | "$MPS_CONTROL" >/dev/null 2>&1  # a daemon a killed run left behind
     "$MPS_CONTROL" -d || { echo "MPS=1: $MPS_CONTROL -d failed"; exit 1; }
     trap 'echo quit | "$MPS_CONTROL"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log > "$OUT/mps-daemon.log" 2>&1' EXIT
     echo "MPS: control daemon started ($MPS_CONTROL)"

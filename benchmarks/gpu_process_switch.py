@@ -29,9 +29,13 @@ import numpy as np
 import torch
 
 
-def _wait_for(counter: np.ndarray, value: int) -> None:
+def _wait_for(counter: np.ndarray, value: int, peer=None) -> None:
+    """Spin until the counter reads `value` (raises if the peer process died meanwhile)."""
+    spins = 0
     while counter[0] != value:
-        pass
+        spins += 1
+        if peer is not None and spins % 100_000 == 0 and not peer.is_alive():
+            raise SystemExit(f"the peer process exited ({peer.exitcode}) before its turn")
 
 
 def _peer(name: str, exchanges: int, on_gpu: bool) -> None:
@@ -75,15 +79,15 @@ def with_peer(exchanges: int, peer_on_gpu: bool) -> float:
     process.start()
     x = torch.zeros(16, device="cuda")
     torch.cuda.synchronize()
-    _wait_for(counter, -1)
+    _wait_for(counter, -1, process)
     counter[0] = 0
     start = time.perf_counter()
     for turn in range(0, 2 * exchanges, 2):
-        _wait_for(counter, turn)
+        _wait_for(counter, turn, process)
         x.add_(1)
         torch.cuda.synchronize()
         counter[0] = turn + 1
-    _wait_for(counter, 2 * exchanges)
+    _wait_for(counter, 2 * exchanges, process)
     seconds = (time.perf_counter() - start) / exchanges
     process.join()
     del counter

@@ -15,6 +15,7 @@ It prints each arm's fastest round, the bytes of A and B the step must read and 
 that makes, and the ratio embedding_bag / kernel.
 
     python benchmarks/lora_rows.py [--tokens 32] [--layers 48] [--rounds 5] [--small-pages]
+                                   [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def build(args) -> tuple[list[AdapterLayer], SimpleNamespace]:
     layers = []
     g = torch.Generator().manual_seed(0)
     for _ in range(args.layers):
-        layer = AdapterLayer(NoBase(args.width), args.width, args.width, slots)
+        dtype = getattr(torch, args.dtype)
+        layer = AdapterLayer(NoBase(args.width), args.width, args.width, slots, dtype)
         for s in range(1, slots):
             r = args.ranks[(s - 1) % len(args.ranks)]
             a, b = torch.randn(r, args.width, generator=g), torch.randn(args.width, r, generator=g)
@@ -89,6 +91,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--small-pages", action="store_true", help="stacks on 4 KiB pages")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="of the stacks"
+    )
     args = parser.parse_args()
     if args.tokens > args.adapters:
         raise SystemExit("--tokens must be at most --adapters (each token on its own adapter)")
@@ -109,7 +114,7 @@ def main() -> None:
     x = torch.randn(args.tokens, args.width, generator=g)
     ranks = [registry.slot_bucket[s] for s in token_slots.tolist()]
     chunks = sum(-(-r // RANK_CHUNK) * RANK_CHUNK for r in ranks)  # Aᵀ is read in whole chunks
-    nbytes = args.layers * (chunks + sum(ranks)) * args.width * 4
+    nbytes = args.layers * (chunks + sum(ranks)) * args.width * getattr(torch, args.dtype).itemsize
     arms = {"kernel": kernel, "embedding_bag": None}
     best = dict.fromkeys(arms, float("inf"))
     results = {}
@@ -128,7 +133,8 @@ def main() -> None:
     pages = "4 KiB pages" if args.small_pages else "huge pages where Linux gives them"
     print(
         f"{args.tokens} tokens on distinct adapters (ranks {args.ranks}), {args.layers} layers "
-        f"{args.width}x{args.width}, {args.threads} thread(s), stacks on {pages}; a step reads "
+        f"{args.width}x{args.width}, {args.threads} thread(s), {args.dtype} stacks on {pages}; "
+        "a step reads "
         f"{nbytes / 1e6:.0f} MB of A and B; fastest of {args.rounds} rounds"
     )
     for name in arms:

@@ -29,10 +29,9 @@ def kernel() -> LoraRowsKernel:
     return loaded
 
 
-def stacks(ranks, d_in, d_out, r_max, seed=0, pad=0):
+def stacks(ranks, d_in, d_out, r_max, seed=0, dtype=torch.float32):
     """Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] as AdapterLayer fills them
-    (zero beyond each slot's rank), slot s + 1 holding ranks[s]; x rows `pad` floats apart
-    beyond their width."""
+    (zero beyond each slot's rank), slot s + 1 holding ranks[s], in `dtype`."""
     g = torch.Generator().manual_seed(seed)
     slots, chunks = len(ranks) + 1, -(-r_max // RANK_CHUNK)
     a_t = torch.zeros(slots, chunks, d_in, RANK_CHUNK)
@@ -42,7 +41,7 @@ def stacks(ranks, d_in, d_out, r_max, seed=0, pad=0):
         a[:r] = torch.randn(r, d_in, generator=g)
         a_t[s] = a.view(chunks, RANK_CHUNK, d_in).transpose(1, 2)
         b[s, :r] = torch.randn(r, d_out, generator=g)
-    return a_t, b
+    return a_t.to(dtype), b.to(dtype)
 
 
 def reference(x, tokens, slots, ranks, a_t, b) -> torch.Tensor:
@@ -66,10 +65,13 @@ def call(kernel, x, y, tokens, slots, ranks, a_t, b) -> torch.Tensor:
 
 # ranks: inside one chunk, at and across chunk boundaries, the whole stack; widths with and
 # without a tail of fewer than 8 floats; rows: a subset of the tokens, out of slot order
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d_in, d_out", [(24, 20), (16, 37), (96, 8), (5, 3)])
-def test_rows_equal_float64_within_rounding(kernel, d_in, d_out):
+def test_rows_equal_float64_within_rounding(kernel, d_in, d_out, dtype):
+    """Stacks in float32 or bfloat16: the float32 sums of the stacks' own values (bfloat16
+    widened exactly) within fp32 rounding of a float64 reference."""
     ranks = (1, 5, 8, 16, 17, 31, 40, 48)
-    a_t, b = stacks(ranks, d_in, d_out, r_max=48, seed=d_in + d_out)
+    a_t, b = stacks(ranks, d_in, d_out, r_max=48, seed=d_in + d_out, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(14, d_in + 3, generator=g)[:, :d_in]  # rows 3 floats apart
     tokens = torch.tensor([0, 2, 3, 5, 6, 7, 9, 10, 13])
@@ -96,9 +98,12 @@ def test_bucket_ranks_above_the_adapters_rank_read_zeros(kernel):
     assert torch.allclose(exact_ranks, buckets, rtol=1e-6, atol=1e-6)
 
 
-def test_a_row_is_bitwise_the_same_alone_in_any_call_and_on_any_threads(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bitwise_the_same_alone_in_any_call_and_on_any_threads(kernel, dtype):
+    if not library._openmp_flags():
+        pytest.skip("the CPU kernels run on one thread here (no OpenMP runtime of torch's)")
     ranks = (8, 16, 33, 64)
-    a_t, b = stacks(ranks, 200, 100, r_max=64)
+    a_t, b = stacks(ranks, 200, 100, r_max=64, dtype=dtype)
     x = torch.randn(6, 200)
     tokens, slots = torch.arange(6), torch.tensor([1, 2, 3, 4, 2, 1])
     ranks_of_rows = torch.tensor([ranks[s - 1] for s in slots.tolist()])
@@ -148,6 +153,16 @@ def test_out_of_range_rows_are_refused(tokens, slots, ranks, why):
     assert index is None, why
 
 
+def test_indices_of_another_form_are_refused_and_the_checked_ones_copied():
+    one = torch.tensor([0])
+    assert RowsIndex.check(torch.tensor(0), one, one + 8, 1, 2, 1, 16) is None  # 0-dim
+    assert RowsIndex.check(one.float(), one + 1, one + 8, 1, 2, 1, 16) is None  # float
+    tokens = torch.tensor([0, 1])
+    index = RowsIndex.check(tokens, torch.tensor([1, 1]), torch.tensor([8, 8]), 2, 2, 1, 16)
+    tokens[1] = 5  # changing the caller's tensor afterwards does not reach the checked one
+    assert index.tokens.tolist() == [0, 1]
+
+
 def test_rank_past_r_max_and_too_many_chunks_are_refused():
     rows = (torch.tensor([0]), torch.tensor([1]), torch.tensor([20]))
     assert RowsIndex.check(*rows, n_tokens=1, num_slots=2, chunks=2, r_max=16) is None
@@ -178,6 +193,12 @@ def test_fits_wants_float32_cpu_without_gradients():
     a_t, b = stacks((8,), 16, 12, r_max=16)
     x, y = torch.randn(2, 16), torch.zeros(2, 12)
     assert LoraRowsKernel.fits(x, y, a_t, b)
+    assert LoraRowsKernel.fits(x, y, a_t.bfloat16(), b.bfloat16())
+    assert not LoraRowsKernel.fits(x, y, a_t.bfloat16(), b)  # one dtype for both stacks
+    # rows written from several threads may not share memory
+    assert not LoraRowsKernel.fits(x, torch.zeros(1, 12).expand(2, 12), a_t, b)
+    both = torch.zeros(2, 28)
+    assert not LoraRowsKernel.fits(both[:, :16], both[:, 16:], a_t, b)
     assert not LoraRowsKernel.fits(x.requires_grad_(), y, a_t, b)
     assert not LoraRowsKernel.fits(
         x.detach().bfloat16(), y.bfloat16(), a_t.bfloat16(), b.bfloat16()
@@ -219,24 +240,31 @@ def test_adapter_layer_agrees_with_and_without_the_kernel(kernel, monkeypatch):
     assert torch.equal(got[token_slots == 0], plain[token_slots == 0])
 
 
-def _huge_kib() -> int:
-    return sum(
-        int(line.split()[1])
-        for line in Path("/proc/self/smaps").read_text().splitlines()
-        if line.startswith("AnonHugePages:")
-    )
+def _flags_of_mapping(address: int) -> str:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line
+    return ""
 
 
 def test_the_stacks_are_zeros_and_on_huge_pages_where_linux_gives_them():
     small = memory.zeros(3, 5, dtype=torch.float32)
     assert torch.equal(small, torch.zeros(3, 5))
+    big = memory.zeros(3, 1 << 20, dtype=torch.float32)  # 12 MiB
+    assert big.shape == (3, 1 << 20) and big.is_contiguous() and not big.any()
+    assert torch.equal(memory.zeros(5, 1 << 20, dtype=torch.bfloat16)[4], torch.zeros(1 << 20))
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    before = _huge_kib() if mode.exists() else 0
-    big = memory.zeros(3, 1 << 20, dtype=torch.float32)  # 12 MiB: at least 4 whole 2 MiB pages
-    assert big.shape == (3, 1 << 20) and not big.any()
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("no transparent huge pages on this machine")
-    assert _huge_kib() - before >= 4 * 2048, "the 12 MiB tensor got no 2 MiB pages"
+    assert big.data_ptr() % memory.HUGE_PAGE == 0, "the tensor starts on a huge page"
+    # the advice is on its mapping ("hg"); whether Linux found free huge pages is its own
+    assert " hg" in _flags_of_mapping(big.data_ptr()), _flags_of_mapping(big.data_ptr())
 
 
 def test_huge_pages_elsewhere_change_nothing(monkeypatch):
@@ -268,3 +296,158 @@ def test_the_benchmark_runs(kernel, pages):
     ratio = lines[3]
     assert ratio.startswith("embedding_bag / kernel: ") and "x (largest difference" in ratio
     assert float(ratio.split("difference of one layer's outputs: ")[1].rstrip(")")) < 1e-5
+
+
+# -- adapters held in bfloat16 (--lora-dtype bfloat16) under a float32 model ---------------
+
+LOGITS_ATOL = 1e-4  # fp32 rounding, as tests/test_serve_many_adapters.py
+
+
+@pytest.fixture(scope="module")
+def bf16_adapters(checkpoints, tmp_path_factory):
+    """(checkpoint, adapters, reference): LoRA adapters saved in bfloat16, as bfloat16
+    training saves them, alpha 2r (scale 2, a power of two), on every linear layer."""
+    import peft
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_serve_common import Reference, lora_config
+
+    base = checkpoints("llama")
+    folder = tmp_path_factory.mktemp("bf16-adapters")
+    saved = {}
+    for i, rank in enumerate((4, 16, 24)):
+        torch.manual_seed(300 + i)
+        model = peft.get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base), lora_config("llama", rank)
+        )
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 0.2)
+        model.to(torch.bfloat16).save_pretrained(folder / f"r{rank}")
+        saved[f"r{rank}"] = folder / f"r{rank}"
+        with safe_open(str(saved[f"r{rank}"] / "adapter_model.safetensors"), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
+    return base, saved, Reference(base, saved)
+
+
+def bf16_engine(base, saved, lora_dtype="bfloat16"):
+    from symbiont import BaseExecutor, load_client
+    from symbiont.serve import Engine, EngineConfig
+
+    config = EngineConfig(
+        max_running=16, max_batched_tokens=128, block_size=4, num_blocks=128,
+        max_lora_rank=32, lora_dtype=lora_dtype,
+    )  # fmt: skip
+    engine = Engine(load_client(base, BaseExecutor.from_pretrained(base)), config)
+    for name, path in saved.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def stacks_of(engine) -> list[AdapterLayer]:
+    return [m for m in engine.model.modules() if isinstance(m, AdapterLayer)]
+
+
+@pytest.mark.parametrize("rows", ["kernel", "embedding_bag"])
+def test_bfloat16_adapters_from_bfloat16_stacks_equal_vanilla_peft(
+    kernel, bf16_adapters, rows, monkeypatch
+):
+    """Held in bfloat16 they are the very values saved, widened exactly: each request's
+    greedy tokens equal vanilla peft's (which widens them to float32), decoding rows and a
+    crowd on one adapter (the grouped path) in one batch. Without the kernel, rows go
+    through embedding_bag, which rounds x to bfloat16: logits then within its rounding."""
+    from symbiont.serve import SamplingParams
+    from symbiont.serve.adapters import DENSE_MIN_TOKENS
+    from tests.test_serve_common import prompts
+
+    base, saved, reference = bf16_adapters
+    calls = []
+    if rows == "embedding_bag":
+        monkeypatch.setattr(adapters, "rows_kernel", lambda: None)
+    else:
+        real = LoraRowsKernel.__call__
+        monkeypatch.setattr(LoraRowsKernel, "__call__", lambda *a: calls.append(1) or real(*a))
+    engine = bf16_engine(base, saved)
+    layers = stacks_of(engine)
+    assert layers and all(m.lora_b.dtype == torch.bfloat16 for m in layers)
+    assert all(m.lora_a_t.dtype == torch.bfloat16 for m in layers)
+    names = [None, *saved, None, *["r16"] * (DENSE_MIN_TOKENS + 1)]
+    batch = prompts(len(names), seed=7, low=2, high=10)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0)
+    outputs = engine.generate(batch, names, greedy)
+    for prompt, name, got in zip(batch, names, outputs, strict=True):
+        if rows == "kernel":
+            want = reference.generate(prompt, name, greedy.max_tokens)
+            assert got == want, f"adapter {name}: differs from vanilla peft"
+        else:
+            assert len(got) == greedy.max_tokens
+    assert bool(calls) == (rows == "kernel")
+    # logits of one decode step, every adapter on its own row
+    captured = []
+    forward = engine.runner.forward
+    monkeypatch.setattr(
+        engine.runner, "forward", lambda b: captured.append(forward(b)) or captured[-1]
+    )
+    one = [None, *saved]
+    short = prompts(len(one), seed=9, low=3, high=6)
+    engine.generate(short, one, SamplingParams(max_tokens=2, temperature=0.0))
+    atol = LOGITS_ATOL if rows == "kernel" else 3e-2
+    decode = captured[-1]
+    assert decode.shape[0] == len(one)
+    for i, name in enumerate(one):
+        prompt = short[i]
+        first = int(captured[0][i].argmax())
+        want = reference.logits(prompt + [first], name)[-1]
+        assert torch.allclose(decode[i], want, atol=atol), (
+            name,
+            float((decode[i] - want).abs().max()),
+        )
+
+
+def test_float32_adapters_in_bfloat16_stacks_are_rounded_and_take_half_the_memory(
+    kernel, checkpoints, tmp_path
+):
+    """An adapter saved in float32 is rounded to bfloat16 when held so: its logits stay
+    within bfloat16 rounding of vanilla's, and each stack takes half the bytes."""
+    from tests.test_serve_common import Reference, lora_config, prompts, save_adapter
+
+    base = checkpoints("llama")
+    saved = {"r8": save_adapter(base, lora_config("llama", 8), tmp_path / "r8", seed=5)}
+    reference = Reference(base, saved)
+    wide, narrow = bf16_engine(base, saved, "float32"), bf16_engine(base, saved)
+    for big, small in zip(stacks_of(wide), stacks_of(narrow), strict=True):
+        assert small.lora_b.nbytes * 2 == big.lora_b.nbytes
+        assert small.lora_a_t.nbytes * 2 == big.lora_a_t.nbytes
+    prompt = prompts(1, seed=3, low=6, high=6)[0]
+    want = reference.logits(prompt, "r8")[-1]
+    from symbiont.serve import SamplingParams
+
+    captured = []
+    forward = narrow.runner.forward
+    narrow.runner.forward = lambda b: captured.append(forward(b)) or captured[-1]
+    narrow.generate([prompt], ["r8"], SamplingParams(max_tokens=1, temperature=0.0))
+    last = captured[0][-1]
+    assert not torch.allclose(last, want, atol=LOGITS_ATOL), "bfloat16 rounding should show"
+    assert torch.allclose(last, want, atol=5e-2, rtol=2e-2), float((last - want).abs().max())
+
+
+def test_lora_dtype_is_checked():
+    from symbiont.serve import EngineConfig
+
+    with pytest.raises(ValueError, match="--lora-dtype must be one of float32, bfloat16"):
+        EngineConfig(lora_dtype="float16")
+
+
+def test_serve_takes_the_lora_dtype_flag():
+    import argparse
+
+    from symbiont.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "m", "--lora-dtype", "bfloat16"])
+    assert serve.configs(args).engine.lora_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--lora-dtype", "int8"])

@@ -238,7 +238,7 @@ def _cpu_fingerprint() -> str:
 
 
 SYMBOLS = ("decode_attention", "chunk_attention", "chunk_attention_scratch", "rms_norm", "rotary")
-SYMBOLS += ("few_rows_linear", "lora_rows")
+SYMBOLS += ("few_rows_linear", "lora_rows", "lora_rows_bf16")
 
 
 def _check_symbols(lib: ctypes.CDLL) -> None:

@@ -9,7 +9,9 @@ back (BENCHMARKS.md, issue 17, session 19 for what it measured).
 Indices are checked once per iteration (`RowsIndex.check`), and each call checks in O(1)
 that its tensors have the shapes they were checked against: the kernel trusts its
 pointers. Results agree with `embedding_bag`'s within float32 rounding (another summation
-order) and do not depend on the thread count.
+order) and do not depend on the thread count. Stacks in bfloat16 (`--lora-dtype bfloat16`)
+are read at half the bytes and each weight widened exactly to float32: the sums are the
+float32 sums of those weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from symbiont.kernels import library
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 RANK_CHUNK = 16  # ranks per chunk of the Aᵀ stack (csrc/lora_rows.cpp)
 MAX_CHUNKS = 64  # the kernel's buffer: ranks up to 1024
+STACK_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16: widened exactly, summed in float32
 
 
 @dataclass(frozen=True)
@@ -40,18 +43,17 @@ class RowsIndex:
 
     @staticmethod
     def check(tokens, slots, ranks, n_tokens, num_slots, chunks, r_max) -> RowsIndex | None:
-        """The rows as the kernel takes them, or None where an index is out of range."""
-        tokens, slots, ranks = (t.to(torch.int64).contiguous() for t in (tokens, slots, ranks))
-        n = tokens.shape[0]
+        """The rows as the kernel takes them (copies: later changes to the arguments do not
+        reach them), or None where an index is out of range."""
+        given = (tokens, slots, ranks)
         if not (
-            tokens.dim() == slots.dim() == ranks.dim() == 1
-            and slots.shape[0] == ranks.shape[0] == n
-            and tokens.is_cpu
-            and slots.is_cpu
-            and ranks.is_cpu
+            all(t.dim() == 1 and t.is_cpu and not t.is_floating_point() for t in given)
+            and tokens.shape[0] == slots.shape[0] == ranks.shape[0]
             and 0 < chunks <= MAX_CHUNKS
         ):
             return None
+        tokens, slots, ranks = (t.to(torch.int64, copy=True).contiguous() for t in given)
+        n = tokens.shape[0]
         if n and not (
             0 <= int(tokens.min()) <= int(tokens.max()) < n_tokens
             and (n == 1 or bool((tokens.diff() > 0).all()))  # distinct: threads split rows
@@ -66,10 +68,11 @@ class LoraRowsKernel:
     """`kernel(x, y, index, a_t, b)`: y[t] += x[t] · A[s]ᵀ · B[s]ᵀ for each row of `index`."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.lora_rows
-        self._fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR]
-        self._fn.argtypes += [_I64, _I64, _PTR, _I64, ctypes.c_int]
-        self._fn.restype = None
+        self._fns = {torch.float32: lib.lora_rows, torch.bfloat16: lib.lora_rows_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR]
+            fn.argtypes += [_I64, _I64, _PTR, _I64, ctypes.c_int]
+            fn.restype = None
 
     @staticmethod
     def load() -> LoraRowsKernel | None:
@@ -80,17 +83,25 @@ class LoraRowsKernel:
 
     @staticmethod
     def fits(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor) -> bool:
-        """float32 CPU tensors: x [n, in] and y [n, out] with contiguous rows, the stacks
-        Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] contiguous, no gradient."""
+        """CPU tensors without gradients: x [n, in] and y [n, out] float32 with contiguous
+        rows, the stacks Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] contiguous,
+        both float32 or both bfloat16."""
         tensors = (x, y, a_t, b)
         return (
-            all(t.dtype == torch.float32 and t.is_cpu and not t.requires_grad for t in tensors)
+            all(t.is_cpu and not t.requires_grad for t in tensors)
+            and x.dtype == y.dtype == torch.float32
+            and a_t.dtype == b.dtype
+            and a_t.dtype in STACK_DTYPES
             and x.dim() == y.dim() == 2
             and a_t.dim() == 4
             and b.dim() == 3
             and x.shape[0] == y.shape[0]
             and x.stride(-1) == 1
             and y.stride(-1) == 1
+            # y's rows are written from several threads: they may not share memory, with
+            # one another (an expanded tensor) or with x
+            and (y.shape[0] <= 1 or y.stride(0) >= y.shape[1])
+            and x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
             and a_t.shape[1] <= MAX_CHUNKS
             and a_t.shape[2:] == (x.shape[1], RANK_CHUNK)
             and b.shape[0] == a_t.shape[0]
@@ -118,7 +129,7 @@ class LoraRowsKernel:
             )
         n_rows = index.tokens.shape[0]
         if n_rows and y.shape[1]:
-            self._fn(
+            self._fns[a_t.dtype](
                 x.data_ptr(), x.stride(0),
                 index.tokens.data_ptr(), index.slots.data_ptr(), index.ranks.data_ptr(), n_rows,
                 a_t.data_ptr(), a_t.shape[1], x.shape[1],

@@ -53,7 +53,8 @@ MPS_HINT = (
 
 def mps_running() -> bool:
     """Whether an MPS control daemon listens where this process's CUDA looks for one.
-    (A process started before the daemon still runs without it: CUDA asks once.)"""
+    (A process started before the daemon still runs without it: CUDA asks once. A socket
+    left by a killed daemon reads as running: this only decides whether to give advice.)"""
     pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
     return os.path.exists(os.path.join(pipes, "control"))
 

@@ -148,10 +148,18 @@ class MethodWeights(AdapterWeights):
 class AdapterLayer(nn.Module):
     """A base layer plus every slot's adapter for it, applied per token group."""
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, num_slots: int):
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_features: int,
+        num_slots: int,
+        lora_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.base = base
         self.in_features, self.out_features, self.num_slots = in_features, out_features, num_slots
+        self.lora_dtype = lora_dtype  # of the LoRA stacks (None: the base weight's)
         self.lora_a_t: torch.Tensor | None = None  # [slots, chunks, in, RANK_CHUNK]: Aᵀ
         self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
@@ -206,8 +214,9 @@ class AdapterLayer(nn.Module):
         r = bucket.rank
         chunks = -(-r // RANK_CHUNK)
         stack = self.lora_a_t.permute(0, 2, 1, 3)[:, :, :chunks]  # [slots, in, c, 16] view
-        a_t = stack.index_select(0, bucket.slots).flatten(2)[..., :r]  # [groups, in, r]
-        b = self.lora_b[:, :r].index_select(0, bucket.slots)  # [groups, r, out]
+        # widened to the model's dtype where the stacks are held in another (--lora-dtype)
+        a_t = stack.index_select(0, bucket.slots).flatten(2)[..., :r].to(flat.dtype)
+        b = self.lora_b[:, :r].index_select(0, bucket.slots).to(flat.dtype)  # [groups, r, out]
         xg = flat[bucket.index]  # [groups, max_len, in]
         delta = torch.bmm(torch.bmm(xg, a_t), b)  # [groups, max_len, out]
         return delta.reshape(-1, self.out_features).index_select(0, bucket.rows)
@@ -216,6 +225,8 @@ class AdapterLayer(nn.Module):
         """Per-token LoRA through symbiont's CPU kernel, added into y [n_tokens, out] in
         place; False where the kernel does not apply (no compiler, not float32 on the CPU,
         gradients), and `_lora_rows` runs instead."""
+        if not (flat.is_cpu and flat.dtype == torch.float32):
+            return False  # before rows_kernel(): a GPU engine builds no CPU kernels
         kernel = rows_kernel()
         if kernel is None or not kernel.fits(flat, y, self.lora_a_t, self.lora_b):
             return False
@@ -224,6 +235,7 @@ class AdapterLayer(nn.Module):
         if index is None:
             return False
         kernel(flat, y, index, self.lora_a_t, self.lora_b)
+        torch.autograd.graph.increment_version(y)  # as `y +=` would: y changed in place
         return True
 
     def _lora_rows(self, flat: torch.Tensor, rows: LoraRows) -> torch.Tensor:
@@ -233,6 +245,10 @@ class AdapterLayer(nn.Module):
         num_slots, chunks = self.lora_a_t.shape[:2]
         plan = rows.plan(num_slots, chunks, self.in_features, self.lora_b.shape[1])
         x = flat if plan.x_rows is None else flat.index_select(0, plan.x_rows)  # [n_bags, in]
+        # embedding_bag takes per-sample weights in its table's dtype: with --lora-dtype
+        # bfloat16 stacks under a float32 model, x and h are rounded to it here (the
+        # kernel, `_lora_rows_in_place`, keeps them in float32)
+        x = x.to(self.lora_a_t.dtype)
         table_a = self.lora_a_t.view(-1, RANK_CHUNK)  # [slots * c * in, 16]
         h = F.embedding_bag(
             plan.a_index, table_a, plan.a_offsets, mode="sum", per_sample_weights=x.reshape(-1)
@@ -241,11 +257,11 @@ class AdapterLayer(nn.Module):
         table_b = self.lora_b.view(-1, self.out_features)  # [slots * r_max, out]
         return F.embedding_bag(
             plan.b_index, table_b, plan.b_offsets, mode="sum", per_sample_weights=h
-        )  # [n_rows, out]
+        ).to(flat.dtype)  # [n_rows, out]
 
     def ensure_lora(self, max_rank: int) -> None:
         if self.lora_a_t is None:
-            like = dict(dtype=self._dtype(), device=self._device())
+            like = dict(dtype=self.lora_dtype or self._dtype(), device=self._device())
             chunks = -(-max_rank // RANK_CHUNK)
             # on huge pages: a decode step streams scattered regions of these stacks
             self.lora_a_t = memory.zeros(
@@ -495,7 +511,8 @@ class AdapterRegistry:
         """The AdapterLayer around `module_name`, wrapping the base layer on first use."""
         if module_name not in self._layers:
             base = self._base[module_name]
-            layer = AdapterLayer(base, _in(base), _out(base), self.config.num_slots)
+            lora_dtype = getattr(torch, self.config.lora_dtype) if self.config.lora_dtype else None
+            layer = AdapterLayer(base, _in(base), _out(base), self.config.num_slots, lora_dtype)
             owner, leaf = owner_of(self.model, module_name)
             setattr(owner, leaf, layer)
             self._layers[module_name] = layer

@@ -14,6 +14,9 @@ from symbiont.protocol.urls import is_loopback
 MAX_ADAPTER_SLOTS = 4096  # --max-loras beyond this allocated gigabytes of empty stacks
 
 
+LORA_DTYPES = ("float32", "bfloat16")  # --lora-dtype
+
+
 class CachePolicy(StrEnum):
     """Which cached adapter leaves a tier first (`symbiont.serve.adapter_cache`)."""
 
@@ -65,6 +68,16 @@ class EngineConfig:
     )
     max_lora_rank: int = field(
         default=64, metadata={"help": "largest LoRA rank served (lower ranks are zero-padded)"}
+    )
+    lora_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype the served LoRA weights are held in (default: the model's). "
+            "bfloat16 halves each resident adapter's memory and the bytes a decode step "
+            "reads; exact for adapters saved in bfloat16 whose scale (alpha/r) is a power "
+            "of two, others are rounded to bfloat16 (docs/serving.md)",
+            "choices": LORA_DTYPES,
+        },
     )
     slo_tpot_s: float | None = field(
         default=None,
@@ -203,6 +216,10 @@ class EngineConfig:
             if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= 3600):
                 shown = seconds * 1e3 if flag.endswith("-ms") else seconds
                 raise ValueError(f"{flag} must be a positive finite number, got {shown:g}")
+        if self.lora_dtype is not None and self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(
+                f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}"
+            )
         if self.max_deltas is not None and self.max_deltas < 1:
             raise ValueError(f"EngineConfig.max_deltas must be >= 1, got {self.max_deltas}")
         if self.max_skips < 0:
