@@ -276,7 +276,11 @@ def test_loading_api_key_and_full_queue(model_dir):
         body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
         loading = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
         assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"
+        # not a list of the base alone, which would read as "no such adapter here"
+        models = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert models.status_code == 503 and models.json()["error"]["code"] == "loading"
         load_engine(config, server.state)
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
         for route, payload in (("tokenize", {"prompt": "x"}), ("detokenize", {"tokens": [5]})):

@@ -108,6 +108,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        # 503 while the model loads: a list of the base alone, before --adapter's are
+        # loaded, read as "this server has no such adapter"
+        state.ready()
         await _rescan(state)
         return {"object": "list", "data": _model_cards(state)}
 
@@ -379,9 +382,7 @@ def _model_cards(state: ServerState) -> list[dict]:
         "root": state.model_path,
         "parent": None,
     }
-    if state.engine is None:
-        return [base]
-    registry = state.engine.engine.adapters
+    registry = state.engine.engine.adapters  # the route answered 503 while it loads
     cards = [base]
     for name in registry.names():
         info = registry.info(name)
