@@ -228,8 +228,8 @@ def test_adapter_layer_agrees_with_and_without_the_kernel(kernel, monkeypatch):
     assert batch.lora_rows is not None and not batch.lora
     x = torch.randn(7, 80)
     calls = []
-    real = LoraRowsKernel.__call__
-    monkeypatch.setattr(LoraRowsKernel, "__call__", lambda *a: calls.append(1) or real(*a))
+    real = LoraRowsKernel.add_if_fits
+    monkeypatch.setattr(LoraRowsKernel, "add_if_fits", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad(), use_context(SimpleNamespace(adapters=batch)):
         got = layer(x)
         monkeypatch.setattr(adapters, "rows_kernel", lambda: None)
@@ -367,8 +367,8 @@ def test_bfloat16_adapters_from_bfloat16_stacks_equal_vanilla_peft(
     if rows == "embedding_bag":
         monkeypatch.setattr(adapters, "rows_kernel", lambda: None)
     else:
-        real = LoraRowsKernel.__call__
-        monkeypatch.setattr(LoraRowsKernel, "__call__", lambda *a: calls.append(1) or real(*a))
+        real = LoraRowsKernel.add_if_fits
+        monkeypatch.setattr(LoraRowsKernel, "add_if_fits", lambda *a: calls.append(1) or real(*a))
     engine = bf16_engine(base, saved)
     layers = stacks_of(engine)
     assert layers and all(m.lora_b.dtype == torch.bfloat16 for m in layers)

@@ -86,9 +86,12 @@ class LoraRowsKernel:
         """CPU tensors without gradients: x [n, in] and y [n, out] float32 with contiguous
         rows, the stacks Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] contiguous,
         both float32 or both bfloat16."""
-        tensors = (x, y, a_t, b)
         return (
-            all(t.is_cpu and not t.requires_grad for t in tensors)
+            x.is_cpu
+            and y.is_cpu
+            and a_t.is_cpu
+            and b.is_cpu
+            and not (x.requires_grad or y.requires_grad or a_t.requires_grad or b.requires_grad)
             and x.dtype == y.dtype == torch.float32
             and a_t.dtype == b.dtype
             and a_t.dtype in STACK_DTYPES
@@ -115,18 +118,26 @@ class LoraRowsKernel:
     ) -> None:
         """Adds each row's LoRA term into y in place. x [n_tokens, in], y [n_tokens, out],
         a_t [slots, chunks, in, 16], b [slots, r_max, out]."""
-        if not (
-            self.fits(x, y, a_t, b)
-            and x.shape[0] == index.n_tokens
-            and a_t.shape[:2] == (index.num_slots, index.chunks)
-            and b.shape[1] == index.r_max
-        ):
+        if not self.add_if_fits(x, y, index, a_t, b):
             raise ValueError(
                 f"LoRA rows: x {tuple(x.shape)}, y {tuple(y.shape)}, Aᵀ {tuple(a_t.shape)}, "
                 f"B {tuple(b.shape)} do not match the rows checked for {index.n_tokens} "
                 f"tokens, {index.num_slots} slots, {index.chunks} chunks, rank {index.r_max} "
                 "(see LoraRowsKernel.fits and RowsIndex.check)"
             )
+
+    def add_if_fits(
+        self, x: torch.Tensor, y: torch.Tensor, index: RowsIndex, a_t: torch.Tensor, b: torch.Tensor
+    ) -> bool:
+        """`__call__` where the tensors fit and match the rows checked (one check, for the
+        engine's every layer); False, y untouched, where they do not."""
+        if not (
+            x.shape[0] == index.n_tokens
+            and a_t.shape[:2] == (index.num_slots, index.chunks)
+            and b.shape[1] == index.r_max
+            and self.fits(x, y, a_t, b)
+        ):
+            return False
         n_rows = index.tokens.shape[0]
         if n_rows and y.shape[1]:
             self._fns[a_t.dtype](
@@ -136,3 +147,4 @@ class LoraRowsKernel:
                 b.data_ptr(), b.shape[1], b.shape[2],
                 y.data_ptr(), y.stride(0), torch.get_num_threads(),
             )  # fmt: skip
+        return True

@@ -228,13 +228,12 @@ class AdapterLayer(nn.Module):
         if not (flat.is_cpu and flat.dtype == torch.float32):
             return False  # before rows_kernel(): a GPU engine builds no CPU kernels
         kernel = rows_kernel()
-        if kernel is None or not kernel.fits(flat, y, self.lora_a_t, self.lora_b):
+        if kernel is None:
             return False
         num_slots, chunks = self.lora_a_t.shape[:2]
         index = rows.index(flat.shape[0], num_slots, chunks, self.lora_b.shape[1])
-        if index is None:
+        if index is None or not kernel.add_if_fits(flat, y, index, self.lora_a_t, self.lora_b):
             return False
-        kernel(flat, y, index, self.lora_a_t, self.lora_b)
         torch.autograd.graph.increment_version(y)  # as `y +=` would: y changed in place
         return True
 
