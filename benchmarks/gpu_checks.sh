@@ -24,8 +24,13 @@ mkdir -p "$OUT"
 STEPS=${STEPS:-tests transport roofline memory switch}
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
-    [[ -f /tmp/site/.installed ]] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && touch /tmp/site/.installed || exit 1
+    # installed once per set of wheels (a warm machine reruns this script)
+    wheels=$(ls .whl/*.whl)
+    if [[ "$(cat /tmp/site/.installed 2>/dev/null)" != "$wheels" ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        echo "$wheels" > /tmp/site/.installed
+    fi
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
