@@ -13,6 +13,8 @@
 #   transport  benchmarks/transport_overhead.py --device cuda: CUDA IPC vs host areas
 #   roofline   benchmarks/gpu_roofline.py: base layers' time vs their memory roofline
 #   memory     benchmarks/multi_finetune.py --device cuda: N jobs' GPU memory, split vs not
+#   memory-wait  the split arm again with SYMBIONT_GPU_EVENTS=0 (GPU areas ordered by
+#              waiting on both sides, not by an event), for comparison with memory's
 #   switch     benchmarks/gpu_process_switch.py: two processes taking turns on the GPU
 #
 # MPS=1 runs the steps under NVIDIA MPS (a control daemon started here and stopped at
@@ -69,5 +71,7 @@ step tests 180 "$PY" -m pytest -q -x -rs tests/test_gpu.py ${TESTS_K:+-k "$TESTS
 step transport 90 "$PY" benchmarks/transport_overhead.py --device cuda --hidden 4096 \
     ${TRANSPORT_ARGS:---tokens 1,64,512 --calls 1000}
 step roofline 120 "$PY" benchmarks/gpu_roofline.py --out "$OUT/roofline.json"
-step memory 180 "$PY" benchmarks/multi_finetune.py --device cuda --model 443m --jobs 1,4 \
-    --steps 3 --arms vanilla,symbiont
+MEMORY_ARGS=(--device cuda --model 443m --jobs 1,4 --steps ${MEMORY_STEPS:-3} --work /tmp/multi-finetune)
+step memory 180 "$PY" benchmarks/multi_finetune.py "${MEMORY_ARGS[@]}" --arms vanilla,symbiont
+step memory-wait 150 env SYMBIONT_GPU_EVENTS=0 "$PY" benchmarks/multi_finetune.py \
+    "${MEMORY_ARGS[@]}" --arms symbiont

@@ -13,11 +13,17 @@ as for a client on another GPU or mode='shm' without device) and CUDA IPC (the a
 on the GPU both share: symbiont.protocol.gpu_areas).
 
     python benchmarks/transport_overhead.py --device cuda --hidden 4096 --tokens 1,64,512
+
+The row `cuda-ipc-wait` goes through a second serve-base started with
+SYMBIONT_GPU_EVENTS=0: its GPU areas are ordered by each side waiting for its copies, as
+before session 20, instead of by an event (symbiont.protocol.gpu_areas).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -67,7 +73,25 @@ def _sync(x: torch.Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
-EXPECTED = {"tcp": "zmq", "ipc": "zmq"}  # the transport each row names
+EXPECTED = {"tcp": "zmq", "ipc": "zmq", "cuda-ipc-wait": "cuda-ipc"}  # each row's transport
+
+
+@contextlib.contextmanager
+def _waiting_server(folder: Path, serve_args: tuple):
+    """A serve-base whose GPU areas go without events (it reads the variable at start)."""
+    before = os.environ.get("SYMBIONT_GPU_EVENTS")
+    os.environ["SYMBIONT_GPU_EVENTS"] = "0"
+    try:
+        server = ServerProcess(folder, args=serve_args).start()
+    finally:
+        if before is None:
+            del os.environ["SYMBIONT_GPU_EVENTS"]
+        else:
+            os.environ["SYMBIONT_GPU_EVENTS"] = before
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -93,21 +117,31 @@ def main() -> None:
         f"layer {args.hidden}x{args.hidden}, fp32, {args.calls} calls, torch threads "
         f"{args.threads}, executor and x on {where}"
     )
-    print(f"{'transport':<12} {'tokens':>6} {'µs/call':>9} {'vs in-process':>14}")
+    print(f"{'transport':<14} {'tokens':>6} {'µs/call':>9} {'vs in-process':>14}")
     serve_args = ("--threads", args.threads, "--device", args.device)
-    with ServerProcess(folder, args=serve_args) as server:
+    wanted = set(args.transports.split(",")) if args.transports else None
+    on_gpu = args.device != "cpu"
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ServerProcess(folder, args=serve_args))
+        waiting = None
+        if on_gpu and (wanted is None or "cuda-ipc-wait" in wanted):
+            waiting = stack.enter_context(_waiting_server(folder, serve_args))
         transports = {
             "in-process": lambda: local,
             "tcp": lambda: symbiont.connect(server.url("tcp"), mode="zmq"),
             "ipc": lambda: symbiont.connect(server.url("ipc"), mode="zmq"),
             "shm": lambda: symbiont.connect(server.url("ipc"), mode="shm"),
         }
-        if args.device != "cpu":
+        if on_gpu:
             transports["cuda-ipc"] = lambda: symbiont.connect(
                 server.url("ipc"), mode="shm", device=args.device
             )
-        if args.transports:
-            keep = {"in-process", *args.transports.split(",")}
+        if waiting is not None:
+            transports["cuda-ipc-wait"] = lambda: symbiont.connect(
+                waiting.url("ipc"), mode="shm", device=args.device
+            )
+        if wanted is not None:
+            keep = {"in-process", *wanted}
             transports = {k: v for k, v in transports.items() if k in keep}
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, args.hidden, device=args.device)
@@ -119,7 +153,7 @@ def main() -> None:
                     raise SystemExit(f"{name}: the client's transport is {got}")
                 seconds = time_calls(executor, layer, x, args.calls)
                 baseline = baseline or seconds
-                print(f"{name:<12} {tokens:>6} {seconds * 1e6:>9.1f} {seconds / baseline:>13.1f}x")
+                print(f"{name:<14} {tokens:>6} {seconds * 1e6:>9.1f} {seconds / baseline:>13.1f}x")
                 if executor is not local:
                     executor.close()
 

@@ -118,6 +118,46 @@ def test_client_on_the_executors_gpu_shares_its_areas(llama, cuda_base):
         executor.close()
 
 
+def test_back_to_back_calls_through_gpu_areas_each_read_their_own_outputs(llama, cuda_base):
+    """Neither host waits for the GPU after a call (an event orders the outputs): many
+    calls in a row, some large enough that the GPU lags behind both hosts, each return
+    their own outputs, not the previous call's or half-written ones."""
+    executor = symbiont.connect(cuda_base.url("tcp"), checkpoint=llama, device="cuda")
+    try:
+        local = symbiont.BaseExecutor.from_pretrained(llama, device="cuda")
+        spec = executor.manifest.layers[0]
+        generator = torch.Generator(device="cuda").manual_seed(4)
+        shapes = [(rows, spec.in_features) for rows in (8192, 3, 8192, 1, 4096) * 4]
+        xs = [torch.randn(shape, device="cuda", generator=generator) for shape in shapes]
+        got = [executor.call(Op.FORWARD, spec.id, x) for x in xs]
+        assert executor.transport == "cuda-ipc" and executor._segment.gpu_event is not None
+        for x, y in zip(xs, got, strict=True):
+            torch.testing.assert_close(y, local.call(Op.FORWARD, spec.id, x), atol=ATOL, rtol=0)
+        grad_ys = [torch.randn(4096, spec.out_features, device="cuda") for _ in range(4)]
+        grads = [executor.call(Op.BACKWARD, spec.id, g) for g in grad_ys]
+        for grad_y, grad in zip(grad_ys, grads, strict=True):
+            want = local.call(Op.BACKWARD, spec.id, grad_y)
+            torch.testing.assert_close(grad, want, atol=ATOL, rtol=0)
+    finally:
+        executor.close()
+
+
+def test_gpu_areas_without_events_wait_on_both_sides(llama, tmp_path, monkeypatch):
+    """SYMBIONT_GPU_EVENTS=0 (the comparison benchmarks/transport_overhead.py draws)."""
+    monkeypatch.setenv("SYMBIONT_GPU_EVENTS", "0")
+    args = ("--device", "cuda", "--threads", "1")
+    server = ServerProcess(llama, args=args, workdir=tmp_path).start()
+    try:
+        executor = symbiont.connect(server.url("tcp"), checkpoint=llama, device="cuda")
+        try:
+            assert executor.transport == "cuda-ipc" and executor._segment.gpu_event is None
+            assert_like_vanilla(*pair(llama, executor, "cuda"), "cuda")
+        finally:
+            executor.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("mode", ["shm", "zmq"])
 def test_a_cpu_client_of_a_gpu_executor(llama, cuda_base, mode):
     executor = symbiont.connect(cuda_base.url("tcp"), checkpoint=llama, mode=mode)

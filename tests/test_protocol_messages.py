@@ -157,3 +157,12 @@ def test_gpu_area_handles_are_checked_field_by_field():
             decode(encode_fields(Kind.OK, call_id=1, gpu_areas=fields))
     with pytest.raises(ProtocolError, match="OK.gpu_areas"):
         decode(encode_fields(Kind.OK, call_id=1, gpu_areas=good[:6]))
+
+
+def test_a_gpu_event_handle_is_64_bytes_or_nil():
+    ok = decode(encode(Ok(call_id=1, segment="/proc/1/fd/3", gpu_event=b"v" * 64)))
+    assert ok.gpu_event == b"v" * 64
+    assert decode(encode(Ok(call_id=1))).gpu_event is None
+    for bad_value in (b"v" * 63, b"v" * 65, b"", "v" * 64, 64, [b"v" * 64]):
+        with pytest.raises(ProtocolError, match="OK.gpu_event"):
+            decode(encode_fields(Kind.OK, call_id=1, gpu_event=bad_value))

@@ -825,6 +825,26 @@ class FakeGpu:
         monkeypatch.setattr(gpu_areas, "open_shared", self.open_shared)
         monkeypatch.setattr(gpu_areas, "uuid_of", lambda device: self.UUID)
         monkeypatch.setattr(gpu_areas, "index_of", lambda uuid: 0 if uuid == self.UUID else None)
+        self.events: list[str] = []  # what each side did with the segments' events, in order
+        monkeypatch.setattr(gpu_areas, "new_event", self.new_event)
+        monkeypatch.setattr(gpu_areas, "open_event", self.open_event)
+
+    class Event:
+        def __init__(self, log, side):
+            self.log, self.side = log, side
+
+        def record(self, stream):
+            self.log.append(f"{self.side} records")
+
+        def wait(self, stream):
+            self.log.append(f"{self.side} waits")
+
+    def new_event(self, device):
+        return self.Event(self.events, "executor"), b"v" * 64
+
+    def open_event(self, index, handle):
+        assert handle == b"v" * 64
+        return self.Event(self.events, "client")
 
     def allocate(self, device, nbytes):
         handle = b"c" + len(self.areas).to_bytes(64, "little")
@@ -870,6 +890,36 @@ def test_gpu_areas_the_client_cannot_map_fall_back_to_host_areas(
             assert executor.transport == "shm"
             x = torch.randn(2, server.executor.manifest.layers[0].in_features)
             assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
+
+
+@pytest.mark.parametrize("events", ["1", "0"])
+def test_outputs_in_gpu_areas_are_ordered_by_an_event_not_a_wait(
+    checkpoints, tmp_path, monkeypatch, events
+):
+    """The executor records the segment's event after writing a call's outputs, and the
+    client's stream waits for it before reading them: neither host waits for the GPU.
+    SYMBIONT_GPU_EVENTS=0 sends no event, and both sides wait as before."""
+    from symbiont.protocol import gpu_areas
+
+    monkeypatch.setenv("SYMBIONT_GPU_EVENTS", events)
+    waits = []
+    monkeypatch.setattr(gpu_areas, "settle", lambda area: waits.append(area is not None))
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        gpu = FakeGpu(monkeypatch, server)
+        layer0 = server.executor.manifest.layers[0]
+        x = torch.randn(3, layer0.in_features)
+        with remote(server.endpoints[0], device="cuda") as executor:
+            assert executor.transport == "cuda-ipc"
+            assert (executor._segment.gpu_event is not None) == (events == "1")
+            waits.clear()
+            for _ in range(3):
+                assert torch.equal(executor.forward(0, x), server.executor.forward(0, x))
+    if events == "1":
+        assert gpu.events == ["executor records", "client waits"] * 3
+        assert waits == [True] * 3, "the client still waits for x before posting"
+    else:
+        assert gpu.events == []
+        assert waits == [True] * 9, "x in, y out, y read: a wait after each"
 
 
 def test_a_client_on_the_executors_gpu_without_mps_says_how_to_start_it(

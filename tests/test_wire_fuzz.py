@@ -72,6 +72,7 @@ GOOD = {  # a plausible value per field name, so that one bad field is tried at 
     "segment": None,
     "gpu": "GPU-00000000-0000-0000-0000-000000000000",  # no GPU here: host areas
     "gpu_areas": None,
+    "gpu_event": None,
     "spin": True,
     "seq": 1,
     "stats": {},

@@ -436,7 +436,8 @@ class ExecutorServer:
         session.spin = attach.spin
         segment.ctrl[shm.DOORBELL] = self._wake_w
         self._fit_to_sessions()
-        ok = Ok(call_id=attach.call_id, segment=segment.path, gpu_areas=segment.gpu_share)
+        share, event = segment.gpu_share, segment.gpu_event_handle
+        ok = Ok(call_id=attach.call_id, segment=segment.path, gpu_areas=share, gpu_event=event)
         self._send(session.key, encode(ok))
 
     def _new_segment(self, session: Session, attach: Attach) -> shm.Segment:
@@ -832,7 +833,7 @@ class ExecutorServer:
         for y in ys:
             segment.output_at(offset, y.dtype, rows, y.shape[1]).copy_(y)
             offset += y.numel()
-        segment.settle()  # GPU areas: the copies are done before the client sees RESP_SEQ
+        segment.outputs_written()  # GPU areas: ordered before what the client reads
         segment.ctrl[shm.OUT_ROWS] = rows
         return _publish(segment, call.call_id)
 

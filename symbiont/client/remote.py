@@ -448,7 +448,8 @@ class RemoteExecutor(Executor):
                 raise ValueError("the executor put the areas on a GPU this client lacks")
             areas = (index, ok.gpu_areas)
             _hint_mps_once()
-        return shm.Segment.open(ok.segment or "", capacity, gpu=areas)
+        event = ok.gpu_event if areas is not None else None
+        return shm.Segment.open(ok.segment or "", capacity, gpu=areas, event=event)
 
     # -- calls -------------------------------------------------------------------
 
@@ -575,13 +576,14 @@ class RemoteExecutor(Executor):
         for i, other in enumerate(extra):
             ctrl[shm.EXTRA + i] = other
         self._post_shm(segment)
+        segment.outputs_ready()  # GPU areas: our copies out queue after the executor's in
         outputs, offset = [], 0
         for width in out_ws:
             outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
             offset += rows * width
         # GPU areas: the copies out are done before the executor may overwrite the area,
         # whichever stream the next call comes from
-        segment.settle()
+        segment.outputs_read()
         return outputs
 
     def _post_shm(self, segment: shm.Segment) -> None:

@@ -51,6 +51,30 @@ MPS_HINT = (
 )
 
 
+EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+
+
+def events_enabled() -> bool:
+    """Whether new GPU segments order their outputs by an event (see the module's doc)."""
+    return os.environ.get("SYMBIONT_GPU_EVENTS", "1") != "0"
+
+
+def new_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+    """Executor side: an event another process can wait for, and its handle."""
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(interprocess=True)  # (implies no timing)
+        handle = event.ipc_handle()
+    return event, handle
+
+
+def open_event(index: int, handle: bytes) -> torch.cuda.Event:
+    """Client side: the executor's event, on our GPU `index`."""
+    if len(handle) != EVENT_HANDLE_BYTES:
+        raise ValueError(f"a CUDA event handle has {EVENT_HANDLE_BYTES} bytes, got {len(handle)}")
+    torch.cuda._lazy_init()
+    return torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
+
+
 def mps_running() -> bool:
     """Whether an MPS control daemon listens where this process's CUDA looks for one.
     (A process started before the daemon still runs without it: CUDA asks once. A socket
@@ -108,6 +132,13 @@ def settle(area: torch.Tensor | None) -> None:
     we wrote (and may overwrite what we read) once it sees the next sequence number."""
     if area is not None and area.is_cuda:
         torch.cuda.current_stream(area.device).synchronize()
+
+
+def check_event(value) -> bytes:
+    """The wire check of an event handle: EVENT_HANDLE_BYTES bytes."""
+    if type(value) is not bytes or len(value) != EVENT_HANDLE_BYTES:
+        raise ValueError
+    return value
 
 
 def check_share(value) -> list:

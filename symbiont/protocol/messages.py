@@ -116,6 +116,13 @@ def gpu_share() -> Check:
     return Check("list of torch's CUDA IPC handle fields or nil", convert)
 
 
+def event_handle() -> Check:
+    def convert(value):
+        return None if value is None else gpu_areas.check_event(value)
+
+    return Check(f"{gpu_areas.EVENT_HANDLE_BYTES} bytes (a CUDA IPC event handle) or nil", convert)
+
+
 def mapping() -> Check:
     def convert(value):
         if type(value) is not dict or _depth(value) > MAX_DEPTH:
@@ -253,6 +260,12 @@ class Ok:
         gpu_share(),
         "CUDA IPC handle of the areas on the client's GPU (then the segment holds only "
         "the control block; symbiont.protocol.gpu_areas)",
+        default=None,
+    )
+    gpu_event: bytes | None = wire(
+        event_handle(),
+        "with gpu_areas: the event the executor records after writing each call's outputs; "
+        "the client's stream waits for it before reading them (nil: the executor waits)",
         default=None,
     )
 

@@ -114,6 +114,12 @@ class Segment:
             self._in, self._out = gpu_area[:capacity], gpu_area[capacity:]
         self.gpu_area = gpu_area
         self.gpu_share: list | None = None  # executor side: the handle sent in OK
+        # GPU areas: the event ordering each call's outputs (gpu_areas.new_event; None:
+        # both sides wait for their copies instead), its handle (executor side, sent in
+        # OK) and the client stream its last outputs were read on.
+        self.gpu_event = None
+        self.gpu_event_handle: bytes | None = None
+        self._read_on = None
         self._views: dict[tuple, torch.Tensor] = {}
         self._doorbell: int | None = None  # client side: the executor's wake-up pipe
         # The pipe that wakes the client: the executor holds both ends (so it never opens
@@ -144,14 +150,27 @@ class Segment:
             segment.close()
             raise
         segment.gpu_share = share
+        if gpu is not None and gpu_areas.events_enabled():
+            try:
+                segment.gpu_event, segment.gpu_event_handle = gpu_areas.new_event(gpu)
+            except BaseException:
+                segment.close()
+                raise
         os.set_blocking(segment._bell_w, False)
         segment.ctrl[CLIENT_BELL] = segment._bell_r
         return segment
 
     @classmethod
-    def open(cls, path: str, capacity: int, gpu: tuple[int, list] | None = None) -> Segment:
+    def open(
+        cls,
+        path: str,
+        capacity: int,
+        gpu: tuple[int, list] | None = None,
+        event: bytes | None = None,
+    ) -> Segment:
         """Map the segment the executor created for us (client side); `gpu`: (our index of
-        the executor's GPU, the handle of the areas it put there)."""
+        the executor's GPU, the handle of the areas it put there); `event`: the handle of
+        the event it records after writing outputs there."""
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as err:
@@ -167,15 +186,47 @@ class Segment:
             raise ValueError(f"shared-memory segment {path} has size {info.st_size}")
         try:
             area = gpu_areas.open_shared(*gpu, 2 * capacity) if gpu is not None else None
+            opened = gpu_areas.open_event(gpu[0], event) if gpu and event is not None else None
         except (RuntimeError, TypeError, ValueError) as err:
             os.close(fd)
             raise ValueError(f"cannot open the executor's GPU areas: {err}") from None
-        return cls(path, fd, capacity, gpu_area=area)
+        segment = cls(path, fd, capacity, gpu_area=area)
+        segment.gpu_event = opened
+        return segment
 
     def settle(self) -> None:
         """Make this thread's writes to GPU areas visible before bumping a sequence number
-        (nothing to do for host areas: stores to them are seen in order)."""
+        (nothing to do for host areas: stores to them are seen in order). On the client
+        this also finishes reading the last outputs, if another stream read them."""
         gpu_areas.settle(self.gpu_area)
+        if self._read_on is not None:
+            if self._read_on != _stream_of(self.gpu_area):
+                self._read_on.synchronize()
+            self._read_on = None
+
+    def outputs_written(self) -> None:
+        """Executor side, after queueing a call's output copies and before publishing its
+        answer: record the event the client's stream waits for (or, without one, wait
+        for the copies)."""
+        if self.gpu_event is None:
+            self.settle()
+        else:
+            self.gpu_event.record(_stream_of(self.gpu_area))
+
+    def outputs_ready(self) -> None:
+        """Client side, once the answer is published: what this thread queues from now on
+        runs after the executor's output copies."""
+        if self.gpu_event is not None:
+            self.gpu_event.wait(_stream_of(self.gpu_area))
+
+    def outputs_read(self) -> None:
+        """Client side, after queueing its copies out of the output area: the executor may
+        overwrite it once the next call is posted, and `settle` waits for them then (or,
+        without an event, now)."""
+        if self.gpu_event is None:
+            self.settle()
+        else:
+            self._read_on = _stream_of(self.gpu_area)
 
     def input(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
         """View of the input area as [rows, cols] (cached: decode repeats a few shapes)."""
@@ -270,6 +321,10 @@ class Segment:
         return True
 
     def close(self) -> None:
+        if self._read_on is not None:  # copies out of the areas may still be queued
+            self._read_on.synchronize()
+            self._read_on = None
+        self.gpu_event = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -286,6 +341,12 @@ class Segment:
         # once no call of it is being computed (`ExecutorServer._retire`).
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def _stream_of(area: torch.Tensor):
+    """This thread's current stream on the GPU of `area` (None for a CPU tensor: the
+    tests' stand-in for GPU memory)."""
+    return torch.cuda.current_stream(area.device) if area.is_cuda else None
 
 
 def _write_byte(fd: int | None) -> bool:

@@ -15,7 +15,7 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 | 4 RESULT | call_id, rows, cols | y `[rows, cols]`, or packed experts tensors | executor -> client |
 | 5 ERROR | call_id, code, message |  | executor -> client |
 | 6 ATTACH | call_id, capacity, gpu?, spin? |  | client -> executor |
-| 7 OK | call_id, segment?, gpu_areas? |  | executor -> client |
+| 7 OK | call_id, segment?, gpu_areas?, gpu_event? |  | executor -> client |
 | 8 RING | seq |  | either way |
 | 9 STATS | call_id, token? |  | anyone -> executor |
 | 10 STATS_REPLY | call_id, stats |  | executor -> asker |
