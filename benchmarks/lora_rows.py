@@ -7,10 +7,12 @@ benchmarks/adapter_overhead.py does) and times the adapter math of one step: eve
 layer's LoRA rows for `--tokens` tokens on distinct adapters (the base product is left
 out). The arms alternate, `--rounds` times, in one process:
 
-  kernel          symbiont/kernels/lora_rows.py (what the engine uses on a CPU in float32)
-  embedding_bag   the same rows through PyTorch's two embedding_bags (its fallback)
+  kernel          symbiont/kernels/lora_rows.py (what the engine uses on a CPU in float32),
+                  B in the kernel's blocks of 8 x 8
+  embedding_bag   the same rows through PyTorch's two embedding_bags (its fallback), from
+                  layers holding the same weights with B in rows, as it reads them
 
-Both read the same stacks, on huge pages unless --small-pages (symbiont/util/memory.py).
+Both read stacks on huge pages unless --small-pages (symbiont/util/memory.py).
 It prints each arm's fastest round, the bytes of A and B the step must read and the rate
 that makes, and the ratio embedding_bag / kernel.
 
@@ -54,7 +56,7 @@ class NoBase(torch.nn.Module):
         return x.new_zeros(x.shape[0], self.out_features)
 
 
-def build(args) -> tuple[list[AdapterLayer], SimpleNamespace]:
+def build(args, block_b: bool) -> tuple[list[AdapterLayer], SimpleNamespace]:
     slots = args.adapters + 1
     registry = SimpleNamespace(
         slot_bucket=[0] * slots, slot_is_ia3=[False] * slots, slot_is_dora=[False] * slots
@@ -64,6 +66,7 @@ def build(args) -> tuple[list[AdapterLayer], SimpleNamespace]:
     for _ in range(args.layers):
         dtype = getattr(torch, args.dtype)
         layer = AdapterLayer(NoBase(args.width), args.width, args.width, slots, dtype)
+        layer.block_b = block_b
         for s in range(1, slots):
             r = args.ranks[(s - 1) % len(args.ranks)]
             a, b = torch.randn(r, args.width, generator=g), torch.randn(args.width, r, generator=g)
@@ -107,7 +110,9 @@ def main() -> None:
         memory.zeros = lambda *shape, dtype, device="cpu": torch.zeros(
             *shape, dtype=dtype, device=device
         )
-    layers, registry = build(args)
+    layers = {"kernel": build(args, block_b=True)[0]}
+    layers["embedding_bag"], registry = build(args, block_b=False)
+    assert layers["kernel"][0].b_blocked and not layers["embedding_bag"][0].b_blocked
     g = torch.Generator().manual_seed(1)
     token_slots = torch.randperm(args.adapters, generator=g)[: args.tokens] + 1
     batch = adapter_batch(token_slots, registry)
@@ -121,14 +126,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, chosen in arms.items():
             adapters.rows_kernel = lambda chosen=chosen: chosen
-            step(layers, batch, x)  # warm: the plan, the first touch
+            step(layers[name], batch, x)  # warm: the plan, the first touch
             start = time.perf_counter()
-            step(layers, batch, x)
+            step(layers[name], batch, x)
             best[name] = min(best[name], time.perf_counter() - start)
     for name, chosen in arms.items():
         adapters.rows_kernel = lambda chosen=chosen: chosen
         with torch.no_grad(), use_context(SimpleNamespace(adapters=batch)):
-            results[name] = layers[0](x)
+            results[name] = layers[name][0](x)
     gap = (results["kernel"] - results["embedding_bag"]).abs().max().item()
     pages = "4 KiB pages" if args.small_pages else "huge pages where Linux gives them"
     print(

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from symbiont.kernels import library
-from symbiont.kernels.lora_rows import MAX_CHUNKS, RANK_CHUNK, LoraRowsKernel, RowsIndex
+from symbiont.kernels.lora_rows import (
+    MAX_CHUNKS,
+    RANK_CHUNK,
+    LoraRowsKernel,
+    RowsIndex,
+    block_b,
+    unblock_b,
+)
 from symbiont.serve import adapters
 from symbiont.serve.adapters import AdapterLayer, LoraWeights, adapter_batch, bucket_rank
 from symbiont.serve.context import use_context
@@ -30,8 +37,9 @@ def kernel() -> LoraRowsKernel:
 
 
 def stacks(ranks, d_in, d_out, r_max, seed=0, dtype=torch.float32):
-    """Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] as AdapterLayer fills them
-    (zero beyond each slot's rank), slot s + 1 holding ranks[s], in `dtype`."""
+    """Aᵀ [slots, chunks, in, 16] and B in blocks [slots, r_max / 8, out / 8, 8, 8] as
+    AdapterLayer fills them (zero beyond each slot's rank), slot s + 1 holding ranks[s],
+    in `dtype`."""
     g = torch.Generator().manual_seed(seed)
     slots, chunks = len(ranks) + 1, -(-r_max // RANK_CHUNK)
     a_t = torch.zeros(slots, chunks, d_in, RANK_CHUNK)
@@ -41,12 +49,12 @@ def stacks(ranks, d_in, d_out, r_max, seed=0, dtype=torch.float32):
         a[:r] = torch.randn(r, d_in, generator=g)
         a_t[s] = a.view(chunks, RANK_CHUNK, d_in).transpose(1, 2)
         b[s, :r] = torch.randn(r, d_out, generator=g)
-    return a_t.to(dtype), b.to(dtype)
+    return a_t.to(dtype), block_b(b.to(dtype))
 
 
 def reference(x, tokens, slots, ranks, a_t, b) -> torch.Tensor:
     """float64 y-increments [n_tokens, out] of each row: x[t] · A[s]ᵀ[:, :r] · B[s][:r]."""
-    chunks = a_t.shape[1]
+    chunks, b = a_t.shape[1], unblock_b(b)  # [slots, r_max, out]
     delta = torch.zeros(x.shape[0], b.shape[2], dtype=torch.float64)
     for t, s, r in zip(tokens.tolist(), slots.tolist(), ranks.tolist(), strict=True):
         a = a_t[s].transpose(1, 2).reshape(chunks * RANK_CHUNK, -1)[:r].double()  # [r, in]
@@ -55,18 +63,18 @@ def reference(x, tokens, slots, ranks, a_t, b) -> torch.Tensor:
 
 
 def call(kernel, x, y, tokens, slots, ranks, a_t, b) -> torch.Tensor:
-    index = RowsIndex.check(
-        tokens, slots, ranks, x.shape[0], a_t.shape[0], a_t.shape[1], b.shape[1]
-    )
+    r_max = b.shape[1] * b.shape[3]
+    index = RowsIndex.check(tokens, slots, ranks, x.shape[0], a_t.shape[0], a_t.shape[1], r_max)
     assert index is not None
     kernel(x, y, index, a_t, b)
     return y
 
 
-# ranks: inside one chunk, at and across chunk boundaries, the whole stack; widths with and
-# without a tail of fewer than 8 floats; rows: a subset of the tokens, out of slot order
+# ranks: inside one chunk and one block of B, at and across their boundaries, the whole
+# stack; input widths with and without a tail of fewer than 4 floats (the shrink's step);
+# rows: a subset of the tokens, out of slot order
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d_in, d_out", [(24, 20), (16, 37), (96, 8), (5, 3)])
+@pytest.mark.parametrize("d_in, d_out", [(24, 24), (16, 40), (96, 8), (5, 16)])
 def test_rows_equal_float64_within_rounding(kernel, d_in, d_out, dtype):
     """Stacks in float32 or bfloat16: the float32 sums of the stacks' own values (bfloat16
     widened exactly) within fp32 rounding of a float64 reference."""
@@ -103,21 +111,21 @@ def test_a_row_is_bitwise_the_same_alone_in_any_call_and_on_any_threads(kernel, 
     if not library._openmp_flags():
         pytest.skip("the CPU kernels run on one thread here (no OpenMP runtime of torch's)")
     ranks = (8, 16, 33, 64)
-    a_t, b = stacks(ranks, 200, 100, r_max=64, dtype=dtype)
+    a_t, b = stacks(ranks, 200, 104, r_max=64, dtype=dtype)
     x = torch.randn(6, 200)
     tokens, slots = torch.arange(6), torch.tensor([1, 2, 3, 4, 2, 1])
     ranks_of_rows = torch.tensor([ranks[s - 1] for s in slots.tolist()])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = call(kernel, x, torch.zeros(6, 100), tokens, slots, ranks_of_rows, a_t, b)
+        one = call(kernel, x, torch.zeros(6, 104), tokens, slots, ranks_of_rows, a_t, b)
         torch.set_num_threads(2)
-        two = call(kernel, x, torch.zeros(6, 100), tokens, slots, ranks_of_rows, a_t, b)
+        two = call(kernel, x, torch.zeros(6, 104), tokens, slots, ranks_of_rows, a_t, b)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     for j in range(6):
-        alone = call(kernel, x, torch.zeros(6, 100), tokens[j : j + 1], slots[j : j + 1],
+        alone = call(kernel, x, torch.zeros(6, 104), tokens[j : j + 1], slots[j : j + 1],
                      ranks_of_rows[j : j + 1], a_t, b)  # fmt: skip
         assert torch.equal(alone[j], one[j]), j
 
@@ -172,16 +180,18 @@ def test_rank_past_r_max_and_too_many_chunks_are_refused():
 
 
 def test_a_call_whose_tensors_differ_from_the_checked_shapes_is_refused(kernel):
-    a_t, b = stacks((8,), 16, 12, r_max=16)
+    a_t, b = stacks((8,), 16, 24, r_max=16)
     index = RowsIndex.check(torch.tensor([0]), torch.tensor([1]), torch.tensor([8]), 2, 2, 1, 16)
-    x, y = torch.randn(2, 16), torch.zeros(2, 12)
+    x, y = torch.randn(2, 16), torch.zeros(2, 24)
     kernel(x, y, index, a_t, b)  # as checked
     wrong = {
-        "more tokens than checked": (torch.randn(3, 16), torch.zeros(3, 12), a_t, b),
+        "more tokens than checked": (torch.randn(3, 16), torch.zeros(3, 24), a_t, b),
         "fewer slots than checked": (x, y, a_t[:1], b[:1]),
         "x of another width": (torch.randn(2, 8), y, a_t, b),
         "float64": (x.double(), y.double(), a_t.double(), b.double()),
         "a strided stack": (x, y, a_t, b.transpose(1, 2).contiguous().transpose(1, 2)),
+        "B in rows, not blocks": (x, y, a_t, unblock_b(b)),
+        "y of another width": (x, torch.zeros(2, 16), a_t, b),
     }
     for why, (x_, y_, a_, b_) in wrong.items():
         with pytest.raises(ValueError, match="do not match the rows checked"):
@@ -190,14 +200,15 @@ def test_a_call_whose_tensors_differ_from_the_checked_shapes_is_refused(kernel):
 
 
 def test_fits_wants_float32_cpu_without_gradients():
-    a_t, b = stacks((8,), 16, 12, r_max=16)
-    x, y = torch.randn(2, 16), torch.zeros(2, 12)
+    a_t, b = stacks((8,), 16, 24, r_max=16)
+    x, y = torch.randn(2, 16), torch.zeros(2, 24)
     assert LoraRowsKernel.fits(x, y, a_t, b)
     assert LoraRowsKernel.fits(x, y, a_t.bfloat16(), b.bfloat16())
     assert not LoraRowsKernel.fits(x, y, a_t.bfloat16(), b)  # one dtype for both stacks
     # rows written from several threads may not share memory
-    assert not LoraRowsKernel.fits(x, torch.zeros(1, 12).expand(2, 12), a_t, b)
-    both = torch.zeros(2, 28)
+    assert not LoraRowsKernel.fits(x, torch.zeros(1, 24).expand(2, 24), a_t, b)
+    assert not LoraRowsKernel.fits(x, y, a_t, unblock_b(b))  # B in rows: the fallback's
+    both = torch.zeros(2, 40)
     assert not LoraRowsKernel.fits(both[:, :16], both[:, 16:], a_t, b)
     assert not LoraRowsKernel.fits(x.requires_grad_(), y, a_t, b)
     assert not LoraRowsKernel.fits(
@@ -206,10 +217,11 @@ def test_fits_wants_float32_cpu_without_gradients():
     assert not LoraRowsKernel.fits(x.detach().t().contiguous().t(), y, a_t, b)
 
 
-def _layer(ranks, d_in, d_out, max_rank):
+def _layer(ranks, d_in, d_out, max_rank, block_b=True):
     torch.manual_seed(0)
     slots = len(ranks) + 1
     layer = AdapterLayer(torch.nn.Linear(d_in, d_out), d_in, d_out, slots)
+    layer.block_b = block_b
     registry = SimpleNamespace(
         slot_bucket=[0] * slots, slot_is_ia3=[False] * slots, slot_is_dora=[False] * slots
     )
@@ -238,6 +250,28 @@ def test_adapter_layer_agrees_with_and_without_the_kernel(kernel, monkeypatch):
     assert calls == [1], "the kernel did not run"
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
     assert torch.equal(got[token_slots == 0], plain[token_slots == 0])
+
+
+@pytest.mark.parametrize("d_out", [72, 20])
+def test_b_in_blocks_serves_what_b_in_rows_does(d_out):
+    """On a CPU, B is held in the kernel's blocks where `out` is a multiple of 8 (else in
+    rows): prefill tokens (grouped, bmm) get the same bits either way, and decoding tokens
+    the same within fp32 rounding (kernel against embedding_bag)."""
+    ranks = (4, 16, 17, 64)
+    blocked, _ = _layer(ranks, 40, d_out, max_rank=64)
+    plain, registry = _layer(ranks, 40, d_out, max_rank=64, block_b=False)
+    assert blocked.b_blocked == (d_out % 8 == 0) and not plain.b_blocked
+    assert blocked.r_max == plain.r_max == 64
+    prefill = torch.tensor([1] * 9 + [3] * 8 + [0, 2])  # two adapters of >= 8 tokens
+    decode = torch.tensor([3, 0, 1, 4, 2])
+    for token_slots in (prefill, decode):
+        batch = adapter_batch(token_slots, registry)
+        x = torch.randn(len(token_slots), 40)
+        with torch.no_grad(), use_context(SimpleNamespace(adapters=batch)):
+            got, want = blocked(x), plain(x)
+        if token_slots is prefill:
+            assert batch.lora and torch.equal(got[:17], want[:17])
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
 
 
 def _flags_of_mapping(address: int) -> str:

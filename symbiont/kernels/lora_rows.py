@@ -4,7 +4,8 @@ A serving step whose sequences each use another adapter must read every one's A 
 every adapted layer, and those bytes bound it. PyTorch's `embedding_bag`, which the
 engine used for this (symbiont/serve/adapters.py, `LoraRows`), streamed them at a third
 to two thirds of what one core streams; the kernel reads each adapter's rows front to
-back (BENCHMARKS.md, issue 17, session 19 for what it measured).
+back, B in blocks of 8 x 8 so that each pass over it is one stream (`block_b`;
+BENCHMARKS.md, issue 17, sessions 19 and 20 for what it measured).
 
 Indices are checked once per iteration (`RowsIndex.check`), and each call checks in O(1)
 that its tensors have the shapes they were checked against: the kernel trusts its
@@ -27,6 +28,21 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 RANK_CHUNK = 16  # ranks per chunk of the Aᵀ stack (csrc/lora_rows.cpp)
 MAX_CHUNKS = 64  # the kernel's buffer: ranks up to 1024
 STACK_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16: widened exactly, summed in float32
+B_BLOCK = 8  # B is held in blocks of 8 rows x 8 columns (csrc/lora_rows.cpp)
+
+
+def block_b(b: torch.Tensor) -> torch.Tensor:
+    """B [..., r, out] (r and out multiples of B_BLOCK) as the kernel reads it:
+    [..., r / 8, out / 8, 8, 8], block (k, o) holding rows 8k.. and columns 8o.. (a copy)."""
+    *lead, r, out = b.shape
+    blocks = b.reshape(*lead, r // B_BLOCK, B_BLOCK, out // B_BLOCK, B_BLOCK)
+    return blocks.transpose(-3, -2).contiguous()
+
+
+def unblock_b(blocks: torch.Tensor) -> torch.Tensor:
+    """`block_b`'s inverse: [..., r / 8, out / 8, 8, 8] -> B [..., r, out] (a copy)."""
+    *lead, rb, ob, _, _ = blocks.shape
+    return blocks.transpose(-3, -2).reshape(*lead, rb * B_BLOCK, ob * B_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,8 @@ class LoraRowsKernel:
     @staticmethod
     def fits(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor) -> bool:
         """CPU tensors without gradients: x [n, in] and y [n, out] float32 with contiguous
-        rows, the stacks Aᵀ [slots, chunks, in, 16] and B [slots, r_max, out] contiguous,
-        both float32 or both bfloat16."""
+        rows, the stacks Aᵀ [slots, chunks, in, 16] and B in blocks [slots, r_max / 8,
+        out / 8, 8, 8] (`block_b`) contiguous, both float32 or both bfloat16."""
         return (
             x.is_cpu
             and y.is_cpu
@@ -97,7 +113,8 @@ class LoraRowsKernel:
             and a_t.dtype in STACK_DTYPES
             and x.dim() == y.dim() == 2
             and a_t.dim() == 4
-            and b.dim() == 3
+            and b.dim() == 5
+            and b.shape[3:] == (B_BLOCK, B_BLOCK)
             and x.shape[0] == y.shape[0]
             and x.stride(-1) == 1
             and y.stride(-1) == 1
@@ -108,7 +125,7 @@ class LoraRowsKernel:
             and a_t.shape[1] <= MAX_CHUNKS
             and a_t.shape[2:] == (x.shape[1], RANK_CHUNK)
             and b.shape[0] == a_t.shape[0]
-            and b.shape[2] == y.shape[1]
+            and b.shape[2] * B_BLOCK == y.shape[1]
             and a_t.is_contiguous()
             and b.is_contiguous()
         )
@@ -117,7 +134,7 @@ class LoraRowsKernel:
         self, x: torch.Tensor, y: torch.Tensor, index: RowsIndex, a_t: torch.Tensor, b: torch.Tensor
     ) -> None:
         """Adds each row's LoRA term into y in place. x [n_tokens, in], y [n_tokens, out],
-        a_t [slots, chunks, in, 16], b [slots, r_max, out]."""
+        a_t [slots, chunks, in, 16], b [slots, r_max / 8, out / 8, 8, 8]."""
         if not self.add_if_fits(x, y, index, a_t, b):
             raise ValueError(
                 f"LoRA rows: x {tuple(x.shape)}, y {tuple(y.shape)}, Aᵀ {tuple(a_t.shape)}, "
@@ -134,7 +151,7 @@ class LoraRowsKernel:
         if not (
             x.shape[0] == index.n_tokens
             and a_t.shape[:2] == (index.num_slots, index.chunks)
-            and b.shape[1] == index.r_max
+            and b.shape[1] * B_BLOCK == index.r_max
             and self.fits(x, y, a_t, b)
         ):
             return False
@@ -144,7 +161,7 @@ class LoraRowsKernel:
                 x.data_ptr(), x.stride(0),
                 index.tokens.data_ptr(), index.slots.data_ptr(), index.ranks.data_ptr(), n_rows,
                 a_t.data_ptr(), a_t.shape[1], x.shape[1],
-                b.data_ptr(), b.shape[1], b.shape[2],
+                b.data_ptr(), index.r_max, y.shape[1],
                 y.data_ptr(), y.stride(0), torch.get_num_threads(),
             )  # fmt: skip
         return True

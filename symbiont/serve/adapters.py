@@ -2,7 +2,8 @@
 
 Each targeted base layer is wrapped once in an `AdapterLayer` holding, for every slot,
 LoRA `Aᵀ [slots, chunks, in, 16]` (A transposed, its ranks in chunks of 16) and
-`B·scale [slots, r_max, out]` (mixed ranks zero-padded), IA3 vectors `[slots, in]`
+`B·scale [slots, r_max, out]` (mixed ranks zero-padded; on a CPU, in the kernel's blocks
+of 8 x 8, `block_b`), IA3 vectors `[slots, in]`
 (feed-forward layers scale their input) or `[slots, out]` (other layers scale their
 output), and DoRA's output scales `[slots, out]`. Slot 0 is "no adapter": zero LoRA and
 unit IA3. Per iteration the layer runs one base call for all tokens, one gather for IA3
@@ -34,7 +35,7 @@ from peft.utils.other import get_pattern_key
 from torch import nn
 
 from symbiont.adapters.spec import PEFT_KEY_PREFIX, AdapterError, AdapterSpec, read_adapter
-from symbiont.kernels.lora_rows import LoraRowsKernel, RowsIndex
+from symbiont.kernels.lora_rows import B_BLOCK, LoraRowsKernel, RowsIndex, block_b, unblock_b
 from symbiont.model.layers import find_base_layers, spec_of
 from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
@@ -161,7 +162,11 @@ class AdapterLayer(nn.Module):
         self.in_features, self.out_features, self.num_slots = in_features, out_features, num_slots
         self.lora_dtype = lora_dtype  # of the LoRA stacks (None: the base weight's)
         self.lora_a_t: torch.Tensor | None = None  # [slots, chunks, in, RANK_CHUNK]: Aᵀ
-        self.lora_b: torch.Tensor | None = None  # [slots, r_max, out], scale folded in
+        # B·scale [slots, r_max, out], or in blocks [slots, r_max / 8, out / 8, 8, 8]
+        # (`b_blocked`): what the CPU kernel reads, one stream per pass over 8 rows
+        self.lora_b: torch.Tensor | None = None
+        self.block_b = True  # hold B in blocks where it can be: a CPU, out a multiple of 8
+        self.b_blocked = False
         self.ia3_in: torch.Tensor | None = None  # [slots, in]
         self.ia3_out: torch.Tensor | None = None  # [slots, out]
         self.dora_scale: torch.Tensor | None = None  # [slots, out], DoRA's g; 1 elsewhere
@@ -216,7 +221,7 @@ class AdapterLayer(nn.Module):
         stack = self.lora_a_t.permute(0, 2, 1, 3)[:, :, :chunks]  # [slots, in, c, 16] view
         # widened to the model's dtype where the stacks are held in another (--lora-dtype)
         a_t = stack.index_select(0, bucket.slots).flatten(2)[..., :r].to(flat.dtype)
-        b = self.lora_b[:, :r].index_select(0, bucket.slots).to(flat.dtype)  # [groups, r, out]
+        b = self._b_of(bucket.slots, r).to(flat.dtype)  # [groups, r, out]
         xg = flat[bucket.index]  # [groups, max_len, in]
         delta = torch.bmm(torch.bmm(xg, a_t), b)  # [groups, max_len, out]
         return delta.reshape(-1, self.out_features).index_select(0, bucket.rows)
@@ -231,7 +236,7 @@ class AdapterLayer(nn.Module):
         if kernel is None:
             return False
         num_slots, chunks = self.lora_a_t.shape[:2]
-        index = rows.index(flat.shape[0], num_slots, chunks, self.lora_b.shape[1])
+        index = rows.index(flat.shape[0], num_slots, chunks, self.r_max)
         if index is None or not kernel.add_if_fits(flat, y, index, self.lora_a_t, self.lora_b):
             return False
         torch.autograd.graph.increment_version(y)  # as `y +=` would: y changed in place
@@ -242,7 +247,7 @@ class AdapterLayer(nn.Module):
         weighted sums of stack rows. flat [n_tokens, in] -> [n_rows, out] in `rows.tokens`
         order. Each token reads exactly its adapter's A (in 16-rank chunks) and B rows."""
         num_slots, chunks = self.lora_a_t.shape[:2]
-        plan = rows.plan(num_slots, chunks, self.in_features, self.lora_b.shape[1])
+        plan = rows.plan(num_slots, chunks, self.in_features, self.r_max)
         x = flat if plan.x_rows is None else flat.index_select(0, plan.x_rows)  # [n_bags, in]
         # embedding_bag takes per-sample weights in its table's dtype: with --lora-dtype
         # bfloat16 stacks under a float32 model, x and h are rounded to it here (the
@@ -253,7 +258,10 @@ class AdapterLayer(nn.Module):
             plan.a_index, table_a, plan.a_offsets, mode="sum", per_sample_weights=x.reshape(-1)
         )  # [n_bags, 16]
         h = h.view(-1) if plan.h_index is None else h.view(-1).index_select(0, plan.h_index)
-        table_b = self.lora_b.view(-1, self.out_features)  # [slots * r_max, out]
+        # [slots * r_max, out] (blocks are copied back to rows: where the kernel does
+        # not apply to a layer it holds them in, which its checks should not let happen)
+        plain = unblock_b(self.lora_b) if self.b_blocked else self.lora_b
+        table_b = plain.reshape(-1, self.out_features)
         return F.embedding_bag(
             plan.b_index, table_b, plan.b_offsets, mode="sum", per_sample_weights=h
         ).to(flat.dtype)  # [n_rows, out]
@@ -266,7 +274,27 @@ class AdapterLayer(nn.Module):
             self.lora_a_t = memory.zeros(
                 self.num_slots, chunks, self.in_features, RANK_CHUNK, **like
             )
-            self.lora_b = memory.zeros(self.num_slots, max_rank, self.out_features, **like)
+            self.b_blocked = (
+                self.block_b and like["device"].type == "cpu" and self.out_features % B_BLOCK == 0
+            )
+            if self.b_blocked:
+                r_max = -(-max_rank // B_BLOCK) * B_BLOCK
+                shape = (r_max // B_BLOCK, self.out_features // B_BLOCK, B_BLOCK, B_BLOCK)
+                self.lora_b = memory.zeros(self.num_slots, *shape, **like)
+            else:
+                self.lora_b = memory.zeros(self.num_slots, max_rank, self.out_features, **like)
+
+    @property
+    def r_max(self) -> int:
+        """Rows of each slot's B (max_rank, rounded up to whole blocks where blocked)."""
+        return self.lora_b.shape[1] * (B_BLOCK if self.b_blocked else 1)
+
+    def _b_of(self, slots: torch.Tensor, r: int) -> torch.Tensor:
+        """B·scale of `slots`, its first r rows: [len(slots), r, out] (a copy)."""
+        if not self.b_blocked:
+            return self.lora_b[:, :r].index_select(0, slots)
+        blocks = self.lora_b[:, : -(-r // B_BLOCK)].index_select(0, slots)
+        return unblock_b(blocks)[:, :r]
 
     def ensure_ia3(self, feedforward: bool) -> torch.Tensor:
         name, width = (
@@ -299,7 +327,12 @@ class AdapterLayer(nn.Module):
             if weights.out_scale is not None:  # DoRA: g ⊙ s·B A x
                 b = b * weights.out_scale
                 self.ensure_dora()[slot].copy_(weights.out_scale)
-            self.lora_b[slot, :r].copy_(b)
+            if self.b_blocked:
+                rows = torch.zeros(self.r_max, self.out_features, dtype=b.dtype)
+                rows[:r] = b
+                self.lora_b[slot].copy_(block_b(rows))
+            else:
+                self.lora_b[slot, :r].copy_(b)
         elif isinstance(weights, Ia3Weights):
             self.ensure_ia3(weights.feedforward)[slot].copy_(weights.vector)
         elif isinstance(weights, RowDelta):

@@ -6,10 +6,15 @@
 // A step of 32 sequences on 32 adapters must read every one's A and B in every adapted
 // layer: the bytes bound it. PyTorch's embedding_bag, which did this before, streamed B at
 // about 11 GB/s and Aᵀ at 21 on one core of a machine whose core streams 30; here each
-// adapter's rows are read front to back, as the stacks hold them:
+// adapter's weights are read front to back, in one stream each, as the stacks hold them:
 //   Aᵀ  [slots, chunks, in, 16]: chunk c of slot s holds ranks 16c..16c+15 of each input
 //       feature (zero beyond the slot's rank), one 64-byte line per feature;
-//   B   [slots, r_max, out]: row k of slot s is B[s][:, k]·scale (zero beyond the rank).
+//   B   [slots, r_max / 8, out / 8, 8, 8]: block (k, o) of slot s holds rows 8k..8k+7 of
+//       B[s]·scale (zero beyond the rank), columns 8o..8o+7 of each, row after row. One
+//       pass over eight rows thus reads one stream, not eight of one row each (in
+//       bfloat16 that took the expand from 8 to 5 ms for a step's rows: short streams
+//       are mostly the hardware prefetcher's start-up; BENCHMARKS.md, session 20).
+// While a row runs, the first lines of the next row's streams are prefetched.
 // x and y are float32; the stacks are float32 (`lora_rows`) or bfloat16 (`lora_rows_bf16`:
 // half the bytes, each value widened exactly to float32 before it is used). Each row's sums
 // run in float32 in a fixed order on one thread, so results depend neither on the thread
@@ -47,14 +52,6 @@ static inline v8 ldw(const uint16_t* p) {
     return (v8)wide;
 }
 #endif
-static inline float w1(float w) { return w; }
-static inline float w1(uint16_t w) {
-    const uint32_t bits = uint32_t(w) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // h[0:16] = Σ_i x[i] · at[i][0:16] over i < n: one chunk of Aᵀ ([n, 16]). Four partial sums
 // (features i mod 4) keep four FMA chains in flight.
 template <typename W>
@@ -80,44 +77,48 @@ static inline void shrink_chunk(const float* x, const W* at, int64_t n, float* h
     st(h + 8, (hi[0] + hi[1]) + (hi[2] + hi[3]));
 }
 
-// d[0:out] += Σ_k h[k] · b[k][0:out] over k in [k, r) in passes of ROWS rows of b (`out`
-// apart), each pass reading d once from L1 while ROWS streams of B come from memory.
-// Returns the first row not done (fewer than ROWS left). Eight rows a pass streamed B
-// 1.25x faster than two (BENCHMARKS.md, session 19).
-template <int ROWS, typename W>
-static inline int64_t expand_pass(const float* h, const W* b, int64_t k, int64_t r,
-                                  int64_t out, float* d) {
-    const int64_t whole = out & ~int64_t(7);
-    for (; k + ROWS <= r; k += ROWS) {
-        const W* bk = b + k * out;
-        v8 hv[ROWS];
-        for (int j = 0; j < ROWS; j++) hv[j] = splat(h[k + j]);
-        int64_t o = 0;
-        for (; o < whole; o += 8) {
-            v8 acc = hv[0] * ldw(bk + o);
-            for (int j = 1; j < ROWS; j++) acc += hv[j] * ldw(bk + j * out + o);
-            st(d + o, ld(d + o) + acc);
-        }
-        for (; o < out; o++) {
-            float acc = h[k] * w1(bk[o]);
-            for (int j = 1; j < ROWS; j++) acc += h[k + j] * w1(bk[j * out + o]);
-            d[o] += acc;
-        }
-    }
-    return k;
-}
+constexpr int64_t B_BLOCK = 8;  // rows and columns of a block of B
 
-// d[0:out] = Σ_k h[k] · b[k][0:out] over k < r
+// d[0:out] = Σ_k h[k] · b[k][0:out] over k < r (rounded up to whole blocks: B and h are
+// zero beyond the rank), b one slot's blocks [r_max / 8, out / 8, 8, 8]. A block's eight
+// products stay in one sum per column, in row order; d is read once a pass, from L1.
 template <typename W>
 static inline void expand(const float* h, const W* b, int64_t r, int64_t out, float* d) {
     for (int64_t o = 0; o < out; o++) d[o] = 0.f;
-    const int64_t k = expand_pass<8>(h, b, 0, r, out, d);
-    expand_pass<1>(h, b, k, r, out, d);
+    const int64_t blocks = out / B_BLOCK;
+    for (int64_t k = 0; k < r; k += B_BLOCK) {
+        const W* pass = b + k * out;  // rows k..k+7: blocks * 64 values in a row
+        v8 hv[B_BLOCK];
+        for (int j = 0; j < B_BLOCK; j++) hv[j] = splat(h[k + j]);
+        for (int64_t ob = 0; ob < blocks; ob++) {
+            const W* block = pass + ob * B_BLOCK * B_BLOCK;
+            v8 acc = hv[0] * ldw(block);
+            for (int j = 1; j < B_BLOCK; j++) acc += hv[j] * ldw(block + j * B_BLOCK);
+            st(d + ob * B_BLOCK, ld(d + ob * B_BLOCK) + acc);
+        }
+    }
+}
+
+// The first lines of each stream row `j` reads (its Aᵀ chunks and B), towards L1 while
+// the previous row runs: a stream the prefetcher has not seen yet otherwise starts with
+// misses it waits for one by one.
+constexpr int PREFETCH_LINES = 8;  // 7% of a step's time in bfloat16, 5% in float32
+template <typename W>
+static inline void prefetch_next(const W* a_t, int64_t chunks, int64_t in, const W* b,
+                                int64_t r_max, int64_t out, int64_t s, int64_t r) {
+    const int64_t used = (r + RANK_CHUNK - 1) / RANK_CHUNK;
+    for (int64_t c = 0; c < used; c++) {
+        const char* p = reinterpret_cast<const char*>(a_t + (s * chunks + c) * in * RANK_CHUNK);
+        for (int q = 0; q < PREFETCH_LINES; q++) __builtin_prefetch(p + 64 * q, 0, 3);
+    }
+    const char* p = reinterpret_cast<const char*>(b + s * r_max * out);
+    for (int q = 0; q < PREFETCH_LINES; q++) __builtin_prefetch(p + 64 * q, 0, 3);
 }
 
 // For each row j < n_rows: token t = tokens[j] (rows of x and y `xs` and `ys` apart),
 // slot s = slots[j], rank r = ranks[j] (at most 16·chunks and r_max; the caller checks
-// every index): y[t] += expand(shrink(x[t])). Tokens are distinct, so threads split rows.
+// every index, that r_max and out are multiples of 8, and that r_max is at most
+// 16·chunks): y[t] += expand(shrink(x[t])). Tokens are distinct, so threads split rows.
 template <typename W>
 static void rows(const float* x, int64_t xs, const int64_t* tokens, const int64_t* slots,
                  const int64_t* ranks, int64_t n_rows, const W* a_t, int64_t chunks, int64_t in,
@@ -130,6 +131,7 @@ static void rows(const float* x, int64_t xs, const int64_t* tokens, const int64_
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n_rows; j++) {
             const int64_t t = tokens[j], s = slots[j], r = ranks[j];
+            if (j + 1 < n_rows) prefetch_next(a_t, chunks, in, b, r_max, out, slots[j + 1], ranks[j + 1]);
             const float* xt = x + t * xs;
             const int64_t used = (r + RANK_CHUNK - 1) / RANK_CHUNK;
             for (int64_t c = 0; c < used; c++) {
