@@ -26,7 +26,9 @@ adapters with Zipf popularity instead, as benchmarks/serve.py does). Runs, each
                      0 skips it)
   100 resident, torch rows
                      (--rows-ab) the resident run with decoding tokens' LoRA through
-                     PyTorch's embedding_bag, not symbiont's CPU kernel (lora_rows.cpp)
+                     PyTorch's embedding_bag, not symbiont's CPU kernel (lora_rows.cpp):
+                     an engine of its own, loaded as where the kernel cannot be built
+                     (B in rows, as embedding_bag reads it)
 
 Prints generated tokens per CPU second of the process (prefill included; with one torch
 thread, CPU time is what the work cost, and it moves far less than wall time when other
@@ -198,6 +200,29 @@ def run(engine, prompts, names, params, timer: StepTimer) -> tuple[float, float,
     return tokens / cpu_seconds, timer.median_ms(), timer.median_batch(), tokens / seconds
 
 
+def _resident_engine(model, executor, limits: dict, args, paths):
+    """An engine with every adapter resident in a slot."""
+    from symbiont.serve import Engine, EngineConfig
+
+    config = EngineConfig(**limits, max_adapters=args.adapters, lora_dtype=args.lora_dtype)
+    engine = Engine.from_pretrained(model, executor=executor, config=config)
+    for path in paths:
+        engine.load_adapter(path.name, path)
+    return engine
+
+
+def without_rows_kernel(work):
+    """`work()` as where symbiont's CPU kernels cannot be built."""
+    from symbiont.serve import adapters
+
+    kernel = adapters.rows_kernel
+    adapters.rows_kernel = lambda: None
+    try:
+        return work()
+    finally:
+        adapters.rows_kernel = kernel
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -271,17 +296,13 @@ def main(argv=None) -> int:
     engines = {
         "base": Engine.from_pretrained(model, executor=executor, config=EngineConfig(**limits))
     }
-    lora = Engine.from_pretrained(
-        model,
-        executor=executor,
-        config=EngineConfig(**limits, max_adapters=args.adapters, lora_dtype=args.lora_dtype),
-    )
-    for path in paths:
-        lora.load_adapter(path.name, path)
+    lora = _resident_engine(model, executor, limits, args, paths)
     engines["base rows"] = engines[f"{args.adapters} resident"] = lora
     torch_rows = f"{args.adapters} resident, torch rows"
     if args.rows_ab:
-        engines[torch_rows] = lora
+        engines[torch_rows] = without_rows_kernel(
+            lambda: _resident_engine(model, executor, limits, args, paths)
+        )
     if args.cache_slots:
         cache_config = EngineConfig(
             **limits, max_adapters=args.cache_slots, lora_dtype=args.lora_dtype
@@ -298,15 +319,9 @@ def main(argv=None) -> int:
 
     def run_as(run_name, *run_args):
         """`run`, with the LoRA rows kernel off for the torch-rows run."""
-        from symbiont.serve import adapters
-
-        kernel = adapters.rows_kernel
         if run_name == torch_rows:
-            adapters.rows_kernel = lambda: None
-        try:
-            return run(*run_args)
-        finally:
-            adapters.rows_kernel = kernel
+            return without_rows_kernel(lambda: run(*run_args))
+        return run(*run_args)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(

@@ -253,7 +253,7 @@ def test_adapter_layer_agrees_with_and_without_the_kernel(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("d_out", [72, 20])
-def test_b_in_blocks_serves_what_b_in_rows_does(d_out):
+def test_b_in_blocks_serves_what_b_in_rows_does(kernel, d_out):
     """On a CPU, B is held in the kernel's blocks where `out` is a multiple of 8 (else in
     rows): prefill tokens (grouped, bmm) get the same bits either way, and decoding tokens
     the same within fp32 rounding (kernel against embedding_bag)."""
@@ -272,6 +272,17 @@ def test_b_in_blocks_serves_what_b_in_rows_does(d_out):
         if token_slots is prefill:
             assert batch.lora and torch.equal(got[:17], want[:17])
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+def test_b_stays_in_rows_where_the_kernel_will_not_read_it(monkeypatch):
+    """Blocks only for the kernel: without it (no compiler), or under a bfloat16 model
+    (the kernel takes float32 x), B is held in rows, as `embedding_bag` reads it."""
+    monkeypatch.setattr(adapters, "rows_kernel", lambda: None)
+    assert not _layer((8,), 16, 24, max_rank=8)[0].b_blocked
+    monkeypatch.undo()
+    layer = AdapterLayer(torch.nn.Linear(16, 24).bfloat16(), 16, 24, 2)
+    layer.put(1, LoraWeights(torch.randn(8, 16), torch.randn(24, 8), 0.5), 8)
+    assert not layer.b_blocked and layer.lora_b.shape == (2, 8, 24)
 
 
 def _flags_of_mapping(address: int) -> str:

@@ -35,7 +35,14 @@ from peft.utils.other import get_pattern_key
 from torch import nn
 
 from symbiont.adapters.spec import PEFT_KEY_PREFIX, AdapterError, AdapterSpec, read_adapter
-from symbiont.kernels.lora_rows import B_BLOCK, LoraRowsKernel, RowsIndex, block_b, unblock_b
+from symbiont.kernels.lora_rows import (
+    B_BLOCK,
+    STACK_DTYPES,
+    LoraRowsKernel,
+    RowsIndex,
+    block_b,
+    unblock_b,
+)
 from symbiont.model.layers import find_base_layers, spec_of
 from symbiont.model.skeleton import owner_of
 from symbiont.serve.config import EngineConfig
@@ -258,8 +265,8 @@ class AdapterLayer(nn.Module):
             plan.a_index, table_a, plan.a_offsets, mode="sum", per_sample_weights=x.reshape(-1)
         )  # [n_bags, 16]
         h = h.view(-1) if plan.h_index is None else h.view(-1).index_select(0, plan.h_index)
-        # [slots * r_max, out] (blocks are copied back to rows: where the kernel does
-        # not apply to a layer it holds them in, which its checks should not let happen)
+        # [slots * r_max, out] (blocks are copied back to rows: only where the kernel
+        # refuses a call of a layer that holds B for it, which `_kernel_reads_b` avoids)
         plain = unblock_b(self.lora_b) if self.b_blocked else self.lora_b
         table_b = plain.reshape(-1, self.out_features)
         return F.embedding_bag(
@@ -274,15 +281,25 @@ class AdapterLayer(nn.Module):
             self.lora_a_t = memory.zeros(
                 self.num_slots, chunks, self.in_features, RANK_CHUNK, **like
             )
-            self.b_blocked = (
-                self.block_b and like["device"].type == "cpu" and self.out_features % B_BLOCK == 0
-            )
+            self.b_blocked = self._kernel_reads_b(like["dtype"], like["device"])
             if self.b_blocked:
                 r_max = -(-max_rank // B_BLOCK) * B_BLOCK
                 shape = (r_max // B_BLOCK, self.out_features // B_BLOCK, B_BLOCK, B_BLOCK)
                 self.lora_b = memory.zeros(self.num_slots, *shape, **like)
             else:
                 self.lora_b = memory.zeros(self.num_slots, max_rank, self.out_features, **like)
+
+    def _kernel_reads_b(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether decoding tokens' LoRA will go through the CPU kernel, which reads B in
+        blocks (else B stays in rows, as `embedding_bag` and the GPU read it)."""
+        return (
+            self.block_b
+            and device.type == "cpu"
+            and self._dtype() == torch.float32  # x and y of the kernel
+            and dtype in STACK_DTYPES
+            and self.out_features % B_BLOCK == 0
+            and rows_kernel() is not None
+        )
 
     @property
     def r_max(self) -> int:
@@ -293,8 +310,10 @@ class AdapterLayer(nn.Module):
         """B·scale of `slots`, its first r rows: [len(slots), r, out] (a copy)."""
         if not self.b_blocked:
             return self.lora_b[:, :r].index_select(0, slots)
-        blocks = self.lora_b[:, : -(-r // B_BLOCK)].index_select(0, slots)
-        return unblock_b(blocks)[:, :r]
+        whole = -(-r // B_BLOCK)
+        # the blocks as rows, a view: [slots, whole, 8, out / 8, 8]; gathered in one copy
+        rows = self.lora_b[:, :whole].permute(0, 1, 3, 2, 4).index_select(0, slots)
+        return rows.reshape(len(slots), whole * B_BLOCK, self.out_features)[:, :r]
 
     def ensure_ia3(self, feedforward: bool) -> torch.Tensor:
         name, width = (
