@@ -133,6 +133,17 @@ def test_back_to_back_calls_through_gpu_areas_each_read_their_own_outputs(llama,
         assert executor.transport == "cuda-ipc" and executor._segment.gpu_event is not None
         for x, y in zip(xs, got, strict=True):
             torch.testing.assert_close(y, local.call(Op.FORWARD, spec.id, x), atol=ATOL, rtol=0)
+        # calls alternating between two streams: each stream's x waits for the executor's
+        # reads of the last x and for the other stream's reads of the last outputs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())  # xs are written
+        got = []
+        for i, x in enumerate(xs):
+            with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+                got.append(executor.call(Op.FORWARD, spec.id, x))
+        torch.cuda.current_stream().wait_stream(side)
+        for x, y in zip(xs, got, strict=True):
+            torch.testing.assert_close(y, local.call(Op.FORWARD, spec.id, x), atol=ATOL, rtol=0)
         grad_ys = [torch.randn(4096, spec.out_features, device="cuda") for _ in range(4)]
         grads = [executor.call(Op.BACKWARD, spec.id, g) for g in grad_ys]
         for grad_y, grad in zip(grad_ys, grads, strict=True):

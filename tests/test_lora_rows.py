@@ -253,25 +253,37 @@ def test_adapter_layer_agrees_with_and_without_the_kernel(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("d_out", [72, 20])
-def test_b_in_blocks_serves_what_b_in_rows_does(kernel, d_out):
+@pytest.mark.parametrize("ranks, max_rank", [((4, 16, 17, 64), 64), ((3, 12, 5, 9), 12)])
+def test_b_in_blocks_serves_what_b_in_rows_does(kernel, d_out, ranks, max_rank):
     """On a CPU, B is held in the kernel's blocks where `out` is a multiple of 8 (else in
-    rows): prefill tokens (grouped, bmm) get the same bits either way, and decoding tokens
-    the same within fp32 rounding (kernel against embedding_bag)."""
-    ranks = (4, 16, 17, 64)
-    blocked, _ = _layer(ranks, 40, d_out, max_rank=64)
-    plain, registry = _layer(ranks, 40, d_out, max_rank=64, block_b=False)
+    rows; r_max rounded up to whole blocks): prefill tokens (grouped, bmm) get the same
+    bits either way, and decoding tokens the same within fp32 rounding (kernel against
+    embedding_bag), also after a slot is cleared and refilled at a lower rank."""
+    blocked, _ = _layer(ranks, 40, d_out, max_rank=max_rank)
+    plain, registry = _layer(ranks, 40, d_out, max_rank=max_rank, block_b=False)
     assert blocked.b_blocked == (d_out % 8 == 0) and not plain.b_blocked
-    assert blocked.r_max == plain.r_max == 64
+    assert plain.r_max == max_rank
+    assert blocked.r_max == (-(-max_rank // 8) * 8 if blocked.b_blocked else max_rank)
     prefill = torch.tensor([1] * 9 + [3] * 8 + [0, 2])  # two adapters of >= 8 tokens
     decode = torch.tensor([3, 0, 1, 4, 2])
-    for token_slots in (prefill, decode):
-        batch = adapter_batch(token_slots, registry)
-        x = torch.randn(len(token_slots), 40)
-        with torch.no_grad(), use_context(SimpleNamespace(adapters=batch)):
-            got, want = blocked(x), plain(x)
-        if token_slots is prefill:
-            assert batch.lora and torch.equal(got[:17], want[:17])
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+    def agree():
+        for token_slots in (prefill, decode):
+            batch = adapter_batch(token_slots, registry)
+            x = torch.randn(len(token_slots), 40)
+            with torch.no_grad(), use_context(SimpleNamespace(adapters=batch)):
+                got, want = blocked(x), plain(x)
+            if token_slots is prefill:
+                assert batch.lora and torch.equal(got[:17], want[:17])
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+    agree()
+    weights = LoraWeights(torch.randn(2, 40), torch.randn(d_out, 2), 0.5)
+    for layer in (blocked, plain):
+        layer.put(4, None, max_rank)
+        layer.put(4, weights, max_rank)
+    registry.slot_bucket[4] = bucket_rank(2, max_rank)
+    agree()
 
 
 def test_b_stays_in_rows_where_the_kernel_will_not_read_it(monkeypatch):

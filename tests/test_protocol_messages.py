@@ -139,7 +139,7 @@ def test_an_unknown_field_is_refused_also_when_a_known_one_is_left_out():
     with pytest.raises(ProtocolError, match=r"ATTACH has unknown fields \['path'\]") as caught:
         decode(encode_fields(Kind.ATTACH, call_id=3, path="/etc/passwd", capacity=1024))
     assert caught.value.code is Code.BAD_MESSAGE
-    assert "'capacity', 'gpu'" in str(caught.value) and "'kind'" not in str(caught.value)
+    assert "'capacity', 'events', 'gpu'" in str(caught.value) and "'kind'" not in str(caught.value)
 
 
 def test_gpu_area_handles_are_checked_field_by_field():

@@ -163,7 +163,6 @@ def test_areas_elsewhere_leave_the_segment_a_control_block(monkeypatch):
     handle = [b"h" * 64, area.numel(), 0, b"/torch_1", 0, b"e" * 64, False]
     monkeypatch.setattr(gpu_areas, "allocate", lambda device, nbytes: (area, handle))
     monkeypatch.setattr(gpu_areas, "open_shared", lambda index, share, nbytes: area[:nbytes])
-    monkeypatch.setenv("SYMBIONT_GPU_EVENTS", "0")  # the events: tests/test_service_server.py
     owner = shm.Segment.create(4096, gpu=torch.device("cpu"))
     try:
         assert owner.gpu_share == handle and os.fstat(owner.fd).st_size == shm.HEADER_BYTES

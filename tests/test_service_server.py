@@ -922,6 +922,24 @@ def test_outputs_in_gpu_areas_are_ordered_by_an_event_not_a_wait(
         assert waits == [True] * 9, "x in, y out, y read: a wait after each"
 
 
+def test_an_event_only_for_a_client_that_asks_for_one(checkpoints, tmp_path, monkeypatch):
+    """A client that predates events (its ATTACH has no `events`) gets GPU areas without
+    one, and the executor waits for the GPU before answering it, as before."""
+    with serve_in_thread(checkpoints("llama"), tmp_path) as server:
+        gpu = FakeGpu(monkeypatch, server)
+        sock = raw_dealer(server.endpoints[0])
+        assert type(hello(sock)) is Welcome
+        for asks, call_id in ((False, 3), (True, 4)):
+            fields = dict(call_id=call_id, capacity=4096, gpu=FakeGpu.UUID)
+            ok = ask(
+                sock, encode_fields(Kind.ATTACH, **fields, **({"events": True} if asks else {}))
+            )
+            assert type(ok) is Ok and ok.gpu_areas is not None
+            assert (ok.gpu_event is not None) == asks
+        sock.close()
+        assert len(gpu.areas) == 2
+
+
 def test_a_client_on_the_executors_gpu_without_mps_says_how_to_start_it(
     checkpoints, tmp_path, monkeypatch, caplog
 ):

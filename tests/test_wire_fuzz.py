@@ -74,6 +74,7 @@ GOOD = {  # a plausible value per field name, so that one bad field is tried at 
     "gpu_areas": None,
     "gpu_event": None,
     "spin": True,
+    "events": False,
     "seq": 1,
     "stats": {},
     "offset": 0,

@@ -453,7 +453,8 @@ class ExecutorServer:
             )
             if used + wanted <= self.config.gpu_area_bytes:
                 try:
-                    return shm.Segment.create(attach.capacity, gpu=self._gpu)
+                    events = attach.events and gpu_areas.events_enabled()
+                    return shm.Segment.create(attach.capacity, gpu=self._gpu, events=events)
                 except RuntimeError as err:  # CUDA: out of memory, or no IPC here
                     log.warning("no GPU areas for a client (%s): host areas instead", err)
         return shm.Segment.create(attach.capacity)

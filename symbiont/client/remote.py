@@ -438,7 +438,11 @@ class RemoteExecutor(Executor):
         """ATTACH and map the segment the executor made: areas on our GPU `gpu` (its
         UUID) if it computes there, else in the host segment."""
         attach = Attach(
-            call_id=self._new_id(), capacity=capacity, gpu=gpu, spin=self.config.executor_spin
+            call_id=self._new_id(),
+            capacity=capacity,
+            gpu=gpu,
+            spin=self.config.executor_spin,
+            events=gpu is not None and gpu_areas.events_enabled(),
         )
         ok = self._await(self._send(attach), self.config.connect_timeout_s)
         areas = None
@@ -567,6 +571,7 @@ class RemoteExecutor(Executor):
         rows = x.shape[0]
         if ctrl[shm.CLOSED]:
             raise _Lost(SESSION_EXPIRED)  # the executor freed it: reconnect
+        segment.inputs_writable()  # GPU areas: after the executor's reads of the last x
         segment.input(x.dtype, rows, in_w).copy_(x)
         segment.settle()  # GPU areas: x is there before the executor sees REQ_SEQ
         ctrl[shm.OP] = int(op)
@@ -578,12 +583,14 @@ class RemoteExecutor(Executor):
         self._post_shm(segment)
         segment.outputs_ready()  # GPU areas: our copies out queue after the executor's in
         outputs, offset = [], 0
-        for width in out_ws:
-            outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
-            offset += rows * width
-        # GPU areas: the copies out are done before the executor may overwrite the area,
-        # whichever stream the next call comes from
-        segment.outputs_read()
+        try:
+            for width in out_ws:
+                outputs.append(segment.output_at(offset, x.dtype, rows, width).clone())
+                offset += rows * width
+        finally:
+            # GPU areas: the copies out are done before the executor may overwrite the
+            # area, whichever stream the next call comes from
+            segment.outputs_read()
         return outputs
 
     def _post_shm(self, segment: shm.Segment) -> None:

@@ -245,6 +245,12 @@ class Attach:
         "spin): the executor does not spin between calls while this segment is attached",
         default=True,
     )
+    events: bool = wire(
+        flag(),
+        "with gpu: the client waits for an event before reading outputs (OK.gpu_event), "
+        "so the executor need not wait for the GPU before answering",
+        default=False,
+    )
 
 
 @dataclass(frozen=True)

@@ -129,10 +129,13 @@ class Segment:
         self._bell_poll = None  # client side: a poll object on _bell_r, made on first sleep
 
     @classmethod
-    def create(cls, capacity: int, gpu: torch.device | None = None) -> Segment:
+    def create(
+        cls, capacity: int, gpu: torch.device | None = None, events: bool = False
+    ) -> Segment:
         """A new sealed segment (executor side): it cannot shrink or grow, whoever opens it.
         `path` is where a same-user process on this host opens it. With `gpu`, its areas
-        are allocated on that GPU and `gpu_share` is the handle the client opens them by."""
+        are allocated on that GPU and `gpu_share` is the handle the client opens them by;
+        with `events` too, the event that orders their outputs (`gpu_event_handle`)."""
         if not AVAILABLE:
             raise OSError("shared memory needs Linux memfd sealing: use frames (mode='zmq')")
         area, share = gpu_areas.allocate(gpu, 2 * capacity) if gpu is not None else (None, None)
@@ -150,7 +153,7 @@ class Segment:
             segment.close()
             raise
         segment.gpu_share = share
-        if gpu is not None and gpu_areas.events_enabled():
+        if gpu is not None and events:
             try:
                 segment.gpu_event, segment.gpu_event_handle = gpu_areas.new_event(gpu)
             except BaseException:
@@ -196,12 +199,18 @@ class Segment:
 
     def settle(self) -> None:
         """Make this thread's writes to GPU areas visible before bumping a sequence number
-        (nothing to do for host areas: stores to them are seen in order). On the client
-        this also finishes reading the last outputs, if another stream read them."""
+        (nothing to do for host areas: stores to them are seen in order)."""
         gpu_areas.settle(self.gpu_area)
+
+    def inputs_writable(self) -> None:
+        """Client side, before writing a call's x: where the last outputs were read on
+        another stream, this one waits for that one, which waited for the executor's
+        event: the executor's reads of the last x and our reads of its outputs come
+        first. (On the same stream that order holds already; `settle` then waits.)"""
         if self._read_on is not None:
-            if self._read_on != _stream_of(self.gpu_area):
-                self._read_on.synchronize()
+            current = _stream_of(self.gpu_area)
+            if self._read_on != current:
+                current.wait_stream(self._read_on)
             self._read_on = None
 
     def outputs_written(self) -> None:
@@ -321,10 +330,14 @@ class Segment:
         return True
 
     def close(self) -> None:
-        if self._read_on is not None:  # copies out of the areas may still be queued
-            self._read_on.synchronize()
-            self._read_on = None
-        self.gpu_event = None
+        read_on, self._read_on, self.gpu_event = self._read_on, None, None
+        try:
+            if read_on is not None:  # copies out of the areas may still be queued
+                read_on.synchronize()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

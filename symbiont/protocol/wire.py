@@ -14,7 +14,7 @@ a msgpack map `{"kind": KIND, field: value, ...}` of one dataclass in
 | 3 CALL | call_id, op, layer, rows, cols, dtype, fused?, top_k?, weights_dtype? | x `[rows, cols]`, or packed experts tensors (none if sent in DATA parts) | client -> executor |
 | 4 RESULT | call_id, rows, cols | y `[rows, cols]`, or packed experts tensors | executor -> client |
 | 5 ERROR | call_id, code, message |  | executor -> client |
-| 6 ATTACH | call_id, capacity, gpu?, spin? |  | client -> executor |
+| 6 ATTACH | call_id, capacity, gpu?, spin?, events? |  | client -> executor |
 | 7 OK | call_id, segment?, gpu_areas?, gpu_event? |  | executor -> client |
 | 8 RING | seq |  | either way |
 | 9 STATS | call_id, token? |  | anyone -> executor |

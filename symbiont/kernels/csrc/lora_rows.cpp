@@ -117,8 +117,10 @@ static inline void prefetch_next(const W* a_t, int64_t chunks, int64_t in, const
 
 // For each row j < n_rows: token t = tokens[j] (rows of x and y `xs` and `ys` apart),
 // slot s = slots[j], rank r = ranks[j] (at most 16·chunks and r_max; the caller checks
-// every index, that r_max and out are multiples of 8, and that r_max is at most
-// 16·chunks): y[t] += expand(shrink(x[t])). Tokens are distinct, so threads split rows.
+// every index, and that r_max and out are multiples of 8): y[t] += expand(shrink(x[t])).
+// Ranks are read in whole chunks of A and whole blocks of B, so the stacks must hold
+// zeros beyond each slot's rank (AdapterLayer.put writes them so). Tokens are distinct,
+// so threads split rows.
 template <typename W>
 static void rows(const float* x, int64_t xs, const int64_t* tokens, const int64_t* slots,
                  const int64_t* ranks, int64_t n_rows, const W* a_t, int64_t chunks, int64_t in,
