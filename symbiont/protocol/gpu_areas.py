@@ -20,6 +20,18 @@ areas here and finds no MPS daemon says how to start one (`MPS_HINT`).
 The handle is what `torch.multiprocessing` sends for a CUDA tensor (`_share_cuda_`),
 sent here as typed msgpack fields, never pickled. The executor owns the memory: a client
 only maps it, and torch keeps it allocated until every process that mapped it let go.
+
+Ordering without waiting (`new_event`): a segment on the GPU of a client that asks
+(ATTACH.events) also gets an interprocess CUDA event. The executor records it after
+queueing a call's output copies and answers at once, without waiting for the GPU; the
+client's stream waits for the event before it reads the outputs, and before it writes
+the next x on another stream (`Segment.inputs_writable`). So neither side's host blocks
+on the other's kernels after a call, and the executor's loop queues the next batch while
+the GPU still runs this one. The client still waits for its own stream before posting a
+call: the executor never makes its stream wait on a client's event, since a client that
+died with the event not yet reached would stall the executor's stream for every client.
+SYMBIONT_GPU_EVENTS=0 (read by each side at each segment) falls back to waiting on both
+sides, for comparison.
 """
 
 from __future__ import annotations
