@@ -7,8 +7,11 @@
   itself if we die without stopping it. It is the one way to start serve-base.
 - `finished`, `reap`, `stop`, `check` end jobs: SIGTERM, then SIGKILL after a grace period.
 
-Memory: each job's peak PSS (proportional set size: shared pages divided among the
-processes that map them) is sampled from /proc/PID/smaps_rollup while it runs. Peak RSS
+Memory: a job started with `pss_interval_s` has its peak PSS (proportional set size:
+shared pages divided among the processes that map them) sampled from
+/proc/PID/smaps_rollup while it runs. Only on request: each read walks the process's page
+tables under its memory-map lock, which for a serve-base or a training job took ~11% of
+two cores at one read per job every 0.2 s (BENCHMARKS.md, issue 17, session 21). Peak RSS
 from wait4 is no use here: a child's `ru_maxrss` starts at its parent's peak (fork copies
 it, exec keeps it), so every child reported the parent's size.
 """
@@ -38,6 +41,7 @@ class Job:
     log: Path  # stderr (and stdout unless split_stdout)
     returncode: int | None = None
     peak_pss: int | None = None  # bytes, highest sampled PSS (None: never sampled)
+    pss_interval_s: float | None = None  # seconds between PSS reads (None: not sampled)
     _sampler: threading.Thread | None = field(default=None, repr=False)
 
     @property
@@ -54,11 +58,14 @@ def spawn(
     split_stdout: bool = False,
     python: list[str] | None = None,
     env: dict[str, str] | None = None,
+    pss_interval_s: float | None = None,
 ) -> Job:
     """Start `python -m symbiont <argv>` (or `python <python...>` for a script); stderr to
     workdir/<name>.log, stdout there too or, with split_stdout, to workdir/<name>.out.
-    `threads` sets OMP_NUM_THREADS (None: inherit); `env` adds variables. Peak PSS is
-    sampled while it runs."""
+    `threads` sets OMP_NUM_THREADS (None: inherit); `env` adds variables. With
+    `pss_interval_s` (e.g. PSS_INTERVAL_S), the job's peak PSS is sampled that often while
+    it runs; a caller may change `job.pss_interval_s` later, e.g. to read less often once
+    the peak is reached."""
     workdir = Path(workdir)
     log = workdir / f"{name}.log"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -70,9 +77,10 @@ def spawn(
         process = subprocess.Popen(
             command, stdout=out if split_stdout else err, stderr=err, env=env
         )
-    job = Job(name, process, log)
-    job._sampler = threading.Thread(target=_sample_pss, args=(job,), daemon=True)
-    job._sampler.start()
+    job = Job(name, process, log, pss_interval_s=pss_interval_s)
+    if pss_interval_s is not None:
+        job._sampler = threading.Thread(target=_sample_pss, args=(job,), daemon=True)
+        job._sampler.start()
     return job
 
 
@@ -134,7 +142,7 @@ def _sample_pss(job: Job) -> None:
         now = pss(job.pid)
         if now is not None and (job.peak_pss is None or now > job.peak_pss):
             job.peak_pss = now
-        time.sleep(PSS_INTERVAL_S)
+        time.sleep(job.pss_interval_s or PSS_INTERVAL_S)
 
 
 class ServerProcess:
@@ -154,6 +162,7 @@ class ServerProcess:
         args=(),
         workdir: Path | None = None,
         threads: int | None = None,
+        pss_interval_s: float | None = None,
     ):
         self.folder = Path(tempfile.mkdtemp(prefix="symbiont-serve-"))
         self.bind = bind or ("tcp://127.0.0.1:*", f"ipc://{self.folder}/base.sock")
@@ -161,6 +170,7 @@ class ServerProcess:
         self.args = tuple(str(a) for a in args)
         self.workdir = Path(workdir) if workdir else self.folder
         self.threads = threads
+        self.pss_interval_s = pss_interval_s  # see spawn
         self.endpoints: list[str] = []
         self.job: Job | None = None
         self._final_log: str | None = None  # the log, read before its folder went
@@ -181,7 +191,13 @@ class ServerProcess:
         argv += ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]
-        self.job = spawn("serve-base", [*argv, *self.args], self.workdir, threads=self.threads)
+        self.job = spawn(
+            "serve-base",
+            [*argv, *self.args],
+            self.workdir,
+            threads=self.threads,
+            pss_interval_s=self.pss_interval_s,
+        )
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if finished(self.job) or time.monotonic() > deadline:

@@ -250,7 +250,10 @@ def test_child_memory_is_its_own_peak_pss_not_the_parents(tmp_path):
     """ru_maxrss of a child starts at its parent's peak; sampled PSS does not."""
     ballast = bytearray(300 * 2**20)  # the parent's peak grows by 300 MiB
     ballast[::4096] = b"x" * len(ballast[::4096])
-    small = spawn("small", [], tmp_path, python=["-c", "import time; time.sleep(1.5)"])
+    every = 0.1  # sampling is only on request
+    small = spawn(
+        "small", [], tmp_path, python=["-c", "import time; time.sleep(1.5)"], pss_interval_s=every
+    )
     big = spawn(
         "big",
         [],
@@ -259,9 +262,12 @@ def test_child_memory_is_its_own_peak_pss_not_the_parents(tmp_path):
             "-c",
             "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)",
         ],  # fmt: skip
+        pss_interval_s=every,
     )
-    for job in (small, big):
+    unsampled = spawn("unsampled", [], tmp_path, python=["-c", "pass"])
+    for job in (small, big, unsampled):
         assert reap(job).returncode == 0, job.log.read_text()
     assert small.peak_pss is not None and small.peak_pss < 100 * 2**20, small.peak_pss
     assert big.peak_pss is not None and big.peak_pss > 200 * 2**20, big.peak_pss
+    assert unsampled.peak_pss is None and unsampled._sampler is None
     del ballast

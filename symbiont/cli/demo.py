@@ -47,6 +47,9 @@ CLIENTS = (
 )
 # The start of a training paragraph of symbiont/assets/corpus.txt: the pretrained default
 # model continues it with the corpus's own words when decoding greedily.
+# Each process's peak PSS is read this often: its load and first steps are a few seconds
+# long, and each read walks the process's page tables (symbiont/processes.py).
+PSS_EVERY_S = 0.2
 GENERATE_PROMPT = "The central processing unit, usually called the CPU,"
 
 
@@ -150,7 +153,11 @@ def _run_shared(config: DemoConfig, model_dir: Path, workdir: Path):
     from symbiont import processes
 
     server = processes.ServerProcess(
-        model_dir, bind=("tcp://127.0.0.1:*",), workdir=workdir, threads=1
+        model_dir,
+        bind=("tcp://127.0.0.1:*",),
+        workdir=workdir,
+        threads=1,
+        pss_interval_s=PSS_EVERY_S,
     )
     with server:
         url = server.url("tcp")
@@ -170,9 +177,13 @@ def _run_clients(config: DemoConfig, model_dir: Path, url: str | None, workdir: 
     try:
         for name, flags in CLIENTS:
             argv = _finetune_argv(config, model_dir, url, workdir / name, flags)
-            jobs.append(processes.spawn(name, argv, workdir))
+            jobs.append(processes.spawn(name, argv, workdir, pss_interval_s=PSS_EVERY_S))
         argv = _generate_argv(config, model_dir, url)
-        jobs.append(processes.spawn("generate", argv, workdir, split_stdout=True))
+        jobs.append(
+            processes.spawn(
+                "generate", argv, workdir, split_stdout=True, pss_interval_s=PSS_EVERY_S
+            )
+        )
         print("started 3 fine-tuning clients (lora, ia3, prefix) and 1 generating client\n")
         _watch(jobs, workdir, config.steps)
         for job in jobs:
