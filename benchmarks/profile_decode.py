@@ -405,6 +405,31 @@ def direct_ab(args, engine) -> list[tuple[str, float]]:
         lean.direct = True
 
 
+def product_ab(args, engine) -> list[tuple[str, float]]:
+    """The lean forward's direct executor calls made as usual calls (`executor.call`,
+    `forward_fused`: checks and lookups per call) against the executor's products bound
+    to each projection once (`PrepackedExecutor.direct_product`, symbiont/base/prepack.py)."""
+    from symbiont.serve import lean as lean_module
+
+    if engine.runner.lean is None:
+        raise SystemExit(f"{args.model}: no lean forward for this architecture")
+    if not args.prepack:
+        raise SystemExit("only the serving executor offers direct products: pass --prepack")
+    bound = lean_module._direct_product
+    arms = (
+        ("usual executor calls", lambda: setattr(lean_module, "_direct_product", _no_product)),
+        ("direct products", lambda: setattr(lean_module, "_direct_product", bound)),
+    )
+    try:
+        return alternate(args, engine, args.product_ab, arms)
+    finally:
+        lean_module._direct_product = bound
+
+
+def _no_product(modules, executor):
+    return None
+
+
 def layer_ops_ab(args, engine) -> list[tuple[str, float]]:
     """PyTorch's norms and rotary against symbiont's kernels (symbiont/serve/layer_ops.py):
     decode steps, then the prefill of one more prompt of `--prompt-len` tokens per arm and
@@ -543,12 +568,21 @@ def main(argv=None) -> int:
         help="instead: time decode steps with the lean forward calling its projection "
         "modules and calling the executor directly",
     )
+    p.add_argument(
+        "--product-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead (with --prepack): time decode steps with the lean forward's executor "
+        "calls made as usual calls and through products bound to each projection once",
+    )
     args = p.parse_args(argv)
     args.max_tokens = args.steps + args.profile_steps + 8
     if args.fusion_ab:
         args.max_tokens = (args.steps + 1) * args.fusion_ab * len(FUSION_ARMS) + 8
-    if args.lean_ab or args.kernel_ab or args.layer_ops_ab or args.direct_ab:
-        rounds = args.lean_ab + args.kernel_ab + args.layer_ops_ab + args.direct_ab
+    abs_ = (args.lean_ab, args.kernel_ab, args.layer_ops_ab, args.direct_ab, args.product_ab)
+    if any(abs_):
+        rounds = sum(abs_)
         args.max_tokens = (args.steps + 1) * rounds * 2 + 8
     torch.set_num_threads(args.threads)
 
@@ -577,6 +611,9 @@ def main(argv=None) -> int:
     if args.direct_ab:
         rows = direct_ab(args, engine)
         return print_ab(args, model, engine, rows, "projections", args.direct_ab)
+    if args.product_ab:
+        rows = product_ab(args, engine)
+        return print_ab(args, model, engine, rows, "executor calls", args.product_ab)
     if args.layer_ops_ab:
         rows = layer_ops_ab(args, engine)
         return print_ab(args, model, engine, rows, "norms and rotary", args.layer_ops_ab, per=2)

@@ -182,6 +182,80 @@ def test_packed_executor_computes_plain_products_of_few_rows_on_it(few_rows, wid
 
 
 @pytest.mark.skipif(not can_use_onednn("cpu", torch.float32), reason="no oneDNN in this torch")
+def test_direct_products_are_the_executors_calls_bitwise(few_rows, wide_llama):
+    """`direct_product` of each layer and each fused run gives, for every row count, the
+    very bits of the executor's usual call (or None where it leaves the call to it), and
+    None for any x it does not take."""
+    packed = PrepackedExecutor(BaseExecutor.from_pretrained(wide_llama), few_rows=few_rows)
+    g = torch.Generator().manual_seed(0)
+    groups = [(s.id,) for s in linear_layers(packed)] + list(packed._fused)
+    taken = set()
+    for layers in groups:
+        direct = packed.direct_product(layers)
+        assert direct is not None, layers  # every layer here is small or packed
+        width = packed.manifest.layers[layers[0]].in_features
+        for rows in range(0, FEW_ROWS_MAX + 3):
+            x = torch.randn(rows, width, generator=g)
+            if len(layers) == 1:
+                want = [packed.call(Op.FORWARD, layers[0], x)]
+            else:
+                want = list(packed.forward_fused(layers, x))
+            got = direct(x)
+            if got is None:  # only where the usual call computes it otherwise (torch)
+                assert rows >= FEW_ROWS_MAX and rows < direct.min_rows, (layers, rows)
+                continue
+            taken.add((len(layers) > 1, rows < direct.min_rows))
+            assert len(got) == len(want)
+            for y, w in zip(got, want, strict=True):
+                assert y.shape == w.shape and torch.equal(y, w), (layers, rows)
+        x = torch.randn(2, width, generator=g)
+        assert direct(x.double()) is None
+        assert direct(torch.randn(2, width + 1, generator=g)) is None
+        assert direct(torch.randn(width, 2, generator=g).t()) is None  # columns not contiguous
+        assert direct(x.clone().requires_grad_()) is None
+        assert direct(x[None]) is None
+    # fused and single layers, by the kernel and by the packed product
+    assert taken == {(False, True), (False, False), (True, True), (True, False)}
+    assert packed.direct_product(()) is None
+    assert packed.direct_product((len(packed.manifest.layers),)) is None
+
+
+@pytest.mark.skipif(not can_use_onednn("cpu", torch.float32), reason="no oneDNN in this torch")
+def test_the_engine_decodes_through_direct_products(few_rows, wide_llama, monkeypatch):
+    """The serving engine's lean forward computes a decode step's projections through
+    `direct_product`, and generates vanilla transformers' greedy tokens."""
+    from symbiont.base.prepack import DirectProduct
+
+    executor = open_executor(wide_llama, prepack=True)
+    assert isinstance(executor, PrepackedExecutor)
+    direct_rows, usual_rows = [], []
+    real_direct, real_call = DirectProduct.__call__, PrepackedExecutor.call
+
+    def counted_direct(product, x):
+        out = real_direct(product, x)
+        if out is not None:
+            direct_rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(DirectProduct, "__call__", counted_direct)
+    monkeypatch.setattr(
+        PrepackedExecutor,
+        "call",
+        lambda ex, op, layer, x: usual_rows.append(x.shape[0]) or real_call(ex, op, layer, x),
+    )
+    config = EngineConfig(max_running=2, max_batched_tokens=64, block_size=4, num_blocks=64)
+    engine = Engine(load_client(wide_llama, executor), config)
+    reference = Reference(wide_llama, {})
+    for n in (1, 2):
+        batch = prompts(n, seed=n)
+        outputs = engine.generate(batch, None, SamplingParams(max_tokens=6, temperature=0.0))
+        for prompt, got in zip(batch, outputs, strict=True):
+            assert got == reference.generate(prompt, None, 6)
+    assert {1, 2} <= set(direct_rows)  # decode steps of one and two sequences
+    assert not {1, 2} & set(usual_rows)
+
+
+@pytest.mark.skipif(not can_use_onednn("cpu", torch.float32), reason="no oneDNN in this torch")
 def test_serving_engine_decodes_through_it_and_generates_what_vanilla_does(
     few_rows, wide_llama, monkeypatch
 ):

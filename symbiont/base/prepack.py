@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symbiont.base.executor import BaseExecutor, FewRowsProduct, _Weights
+from symbiont.base.executor import FEW_ROWS_MAX, BaseExecutor, FewRowsProduct, _Weights
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import ExecutorError, Op
 
@@ -180,6 +180,41 @@ class PrepackedExecutor(BaseExecutor):
             return self.few_rows(x, run.weight, run.bias).split_with_sizes(run.widths, dim=1)
         return super().run_fused(layers, x)
 
+    def direct_product(self, layers: tuple[int, ...]) -> DirectProduct | None:
+        """FORWARD of `layers` (one layer, or a fused run such as q/k/v) bound to its
+        weights: what `run`/`run_fused` compute, for callers that make many small calls
+        (the serving engine's lean forward); None where it would never apply. Reflects
+        this executor as it is now (set `few_rows` before)."""
+        manifest = self.manifest
+        if not layers or any(not 0 <= i < len(manifest.layers) for i in layers):
+            return None
+        never = DirectProduct.NEVER
+        if len(layers) == 1:
+            layer = layers[0]
+            weights = self._weights[layer]
+            packed, place = self._home.get(layer, (None, 0))
+            min_rows = never if packed is None else packed.min_rows
+            if layer in self._big:  # its plain weights were dropped: always packed
+                min_rows = 0
+            few = None
+            if weights.kind is LayerKind.LINEAR and weights.weight.numel():
+                few = self._bound_few_rows(weights.weight, weights.bias)
+            widths = (manifest.layers[layer].out_features,)
+        else:
+            packed, place = self._fused.get(layers), None
+            min_rows = never if packed is None else packed.min_rows
+            run = self._runs.get(layers)
+            few = None if run is None else self._bound_few_rows(run.weight, run.bias)
+            widths = None if run is None else run.widths
+        if (packed is None or min_rows == never) and few is None:
+            return None
+        in_features = manifest.layers[layers[0]].in_features
+        return DirectProduct(in_features, packed, min_rows, place, few, widths)
+
+    def _bound_few_rows(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        bound = getattr(self.few_rows, "bound", None)
+        return None if bound is None else bound(weight, bias)
+
     def _products(self) -> list[_Packed]:
         return list({id(p): p for p, _ in self._home.values()}.values())
 
@@ -191,6 +226,47 @@ class PrepackedExecutor(BaseExecutor):
         """Plain weights kept (a block's views counted once) and every packed product."""
         packed = sum(p.weight.numel() * p.weight.element_size() for p in self._products())
         return super().weight_bytes() + packed
+
+
+class DirectProduct:
+    """FORWARD of one layer or one fused run, its product and weights looked up once:
+    `direct(x)` is `run`/`run_fused`'s result for x, bitwise (the same products on the same
+    weights), or None for an x it does not take (another dtype, device or width, a
+    gradient wanted, rows no product here covers), which the caller then sends as a usual
+    call. In a small model's decode step the lookups and checks of a usual call cost more
+    than its product (BENCHMARKS.md, issue 17, session 21)."""
+
+    NEVER = 1 << 62  # min_rows where the packed product is never used
+
+    __slots__ = ("in_features", "packed", "min_rows", "place", "few", "widths")
+
+    def __init__(self, in_features, packed, min_rows, place, few, widths):
+        self.in_features = in_features
+        self.packed = packed  # _Packed | None
+        self.min_rows = min_rows  # rows from which `packed` computes the call
+        self.place = place  # int: this layer's output among packed's; None: all of them
+        self.few = few  # BoundFewRows | None, for fewer than FEW_ROWS_MAX rows
+        self.widths = widths  # out_features of each layer, for splitting few's output
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """x [n, in] -> [[n, out_l] per layer], or None"""
+        if (
+            x.dtype is not torch.float32
+            or x.dim() != 2
+            or x.shape[1] != self.in_features
+            or x.stride(1) != 1
+            or not x.is_cpu
+            or x.requires_grad
+        ):
+            return None
+        n = x.shape[0]
+        if n >= self.min_rows:
+            outs = self.packed(x)
+            return outs if self.place is None else [outs[self.place]]
+        if self.few is not None and n < FEW_ROWS_MAX:
+            y = self.few(x)
+            return [y] if len(self.widths) == 1 else list(y.split_with_sizes(self.widths, dim=1))
+        return None
 
 
 def _rows_for(min_rows: int | Callable[[int], int], weights: int) -> int:

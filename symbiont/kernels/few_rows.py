@@ -79,6 +79,20 @@ class FewRows:
             and not (x.requires_grad or weight.requires_grad)
         )
 
+    def bound(self, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundFewRows | None:
+        """The product by this one weight, for callers that check x themselves (None where
+        `fits` would refuse the weight or bias whatever x)."""
+        if not (
+            weight.dim() == 2
+            and weight.dtype == torch.float32
+            and weight.is_cpu
+            and weight.stride(-1) == 1
+            and not weight.requires_grad
+            and (bias is None or FewRows._bias_fits(bias, weight.shape[0]))
+        ):
+            return None
+        return BoundFewRows(self._fn, weight, bias)
+
     @staticmethod
     def _bias_fits(bias: torch.Tensor, out_features: int) -> bool:
         return (
@@ -109,5 +123,32 @@ class FewRows:
                 weight.data_ptr(), weight.stride(0), width, out_features,
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(), y.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
+        return y
+
+
+class BoundFewRows:
+    """`F.linear(x, weight, bias)` by the few-rows kernel for one weight, whose checks and
+    pointers were taken once: x [n, in] must be float32 CPU rows with stride(-1) 1 and
+    `in` columns, which the caller checks (`PrepackedExecutor.direct_product`). It holds
+    the weight and bias, so their pointers stay valid."""
+
+    __slots__ = ("_fn", "_weight", "_bias", "_w", "_ws", "_width", "_out", "_b")
+
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None):
+        self._fn, self._weight, self._bias = fn, weight, bias
+        self._w, self._ws = weight.data_ptr(), weight.stride(0)
+        self._out, self._width = weight.shape
+        self._b = None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> [n, out]"""
+        n = x.shape[0]
+        y = x.new_empty(n, self._out)
+        if n and self._out:
+            self._fn(
+                x.data_ptr(), x.stride(0), n,
+                self._w, self._ws, self._width, self._out,
+                self._b, y.data_ptr(), y.stride(0), torch.get_num_threads(),
             )  # fmt: skip
         return y

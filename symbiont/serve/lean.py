@@ -173,23 +173,41 @@ def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> l
     hooks) and no gradient is recorded (the engine's forward), the executor is called
     directly: one `forward_fused` for siblings (q/k/v), the VirtLayers' own call once their
     fusion has learned the order, without their module and fusion Python, which in a small
-    model's decode step costs more than the product. The same results, bitwise, on the
-    CPU (tests/test_lean_forward.py)."""
+    model's decode step costs more than the product. An in-process serving executor's
+    product bound to these layers (`direct_product`) skips its call's lookups and checks
+    too. The same results, bitwise, on the CPU (tests/test_lean_forward.py)."""
     if direct and not torch.is_grad_enabled():
         first = modules[0]
         if isinstance(first, VirtLayer) and x.dtype == first.wire_dtype:
             executor = first._executor
             if all(_bare(m, executor) for m in modules):
                 flat = x.reshape(-1, x.shape[-1])  # [n, in]
-                if len(modules) == 1:
+                fused = len(modules) > 1
+                product = _direct_product(modules, executor)
+                outs = None
+                if product is not None and (not fused or first._fusion is not None):
+                    outs = product(flat)  # None: not an x it takes
+                if outs is None and not fused:
                     outs = [executor.call(Op.FORWARD, first.spec.id, flat)]
-                elif first._fusion is not None:
+                elif outs is None and first._fusion is not None:
                     outs = executor.forward_fused(tuple(m.spec.id for m in modules), flat)
-                else:
-                    outs = None
                 if outs is not None:
                     return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
     return [module(x) for module in modules]
+
+
+def _direct_product(modules: tuple[nn.Module, ...], executor):
+    """The executor's product bound to these layers' weights (`direct_product`: an
+    in-process serving executor's), made once and kept on the first module for this
+    executor and these siblings; None where the executor offers none."""
+    first = modules[0]
+    kept = first.__dict__.get("_lean_product")
+    if kept is None or kept[0] is not executor or kept[1] != len(modules):
+        make = getattr(executor, "direct_product", None)
+        product = None if make is None else make(tuple(m.spec.id for m in modules))
+        kept = (executor, len(modules), product)
+        first.__dict__["_lean_product"] = kept
+    return kept[2]
 
 
 def _bare(module: nn.Module, executor) -> bool:
