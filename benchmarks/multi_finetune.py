@@ -99,8 +99,9 @@ IN_PROCESS = ("inprocess", "inprocess-unfused")
 
 
 def worker(args) -> None:
-    """One fine-tuning job; writes {tokens, t_start, t_end, call_s, calls} for the
-    measured steps (call_s, calls: time in and number of executor calls, split only)."""
+    """One fine-tuning job; writes {tokens, t_start, t_end, cpu_s, call_s, calls} for the
+    measured steps (cpu_s: this process's CPU time, all threads; call_s, calls: time in and
+    number of executor calls, split only)."""
     import peft
     import torch
 
@@ -128,10 +129,11 @@ def worker(args) -> None:
     while not Path(args.go).exists():
         time.sleep(0.01)
     timer.reset()
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     tokens = sum(step() for _ in range(args.steps))
     _sync(device)  # CUDA queues kernels: the steps are done once the GPU has run them
     record = {"tokens": tokens, "t_start": start, "t_end": time.time(), **timer.totals()}
+    record["cpu_s"] = time.process_time() - cpu
     record.update(_torch_gpu_memory(device))
     Path(args.result).write_text(json.dumps(record))
     if args.hold:  # stay until the supervisor has taken a last GPU memory sample
@@ -436,6 +438,7 @@ class Outcome:
     executor_pss: int  # symbiont only: peak PSS of the serve-base process
     per_job_pss: float  # mean peak PSS of one job process
     profile: dict = field(default_factory=dict)  # symbiont only: where a step goes
+    cpu: dict = field(default_factory=dict)  # CPU seconds over the measured steps (_cpu)
     gpu: GpuMemory | None = None  # when GPU memory is measured (--device cuda)
 
 
@@ -489,9 +492,12 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
             # one idle). The peak is reached by then (load, optimizer state, a whole warm-up
             # step of the same shapes), so the measured steps are sampled sparsely.
             sampler.interval_s = MEASURED_PSS_INTERVAL_S
+            executor_cpu = (_cpu_seconds(base.pid), time.time()) if base else None
             (run_dir / "go").write_text("go")
+            _await_results(workers, run_dir, n)
+            if base is not None:  # the steps' CPU, not the clients' goodbyes
+                executor_cpu = _cpu_rate(base.pid, *executor_cpu)
             if gpu is not None:  # held workers wait for a last sample before they exit
-                _await_results(workers, run_dir, n)
                 gpu.sample()
                 (run_dir / "exit").write_text("exit")
             for job in workers:
@@ -511,8 +517,35 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
         sampler.peaks.get(base.pid, 0) if base else 0,
         sum(job_pss) / n,
         _profile(results, before, after, window, args) if url else {},
-        _gpu_memory(gpu, workers, base, results) if gpu is not None else None,
+        gpu=_gpu_memory(gpu, workers, base, results) if gpu is not None else None,
+        cpu=_cpu(results, executor_cpu, window),
     )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all its threads (/proc/PID/stat:
+    cheap, unlike smaps_rollup)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_rate(pid: int, cpu_s: float, since: float) -> float:
+    """CPU seconds per second of process `pid` since it had used `cpu_s` at time `since`."""
+    return (_cpu_seconds(pid) - cpu_s) / max(time.time() - since, 1e-9)
+
+
+def _cpu(results: list[dict], executor_rate: float | None, window: float) -> dict:
+    """CPU seconds the arm's processes used over the measured window: where a step's
+    time goes when processes share the cores (each job reports its own; serve-base's
+    rate is read from the go signal to the last result, a little wider than the steps).
+    Over the window's core-seconds: how busy the cores were."""
+    if any("cpu_s" not in r for r in results):
+        return {}
+    return {
+        "jobs_s": sum(r["cpu_s"] for r in results),
+        "executor_s": (executor_rate or 0.0) * window,
+        "window_s": window,
+    }
 
 
 def _measures_gpu(args) -> bool:
@@ -606,10 +639,12 @@ def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
 
 def _await_results(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
     names = [f"result-{i}.json" for i in range(n)]
-    _await_files(workers, run_dir, names, "done", timeout_s)
+    _await_files(workers, run_dir, names, "done", timeout_s, poll_s=0.005)
 
 
-def _await_files(workers, run_dir: Path, names: list[str], what: str, timeout_s: float) -> None:
+def _await_files(
+    workers, run_dir: Path, names: list[str], what: str, timeout_s: float, poll_s: float = 0.05
+) -> None:
     """Wait until every file in `names` exists in run_dir; raise if a worker fails first."""
     from symbiont import processes as jobs
 
@@ -624,7 +659,7 @@ def _await_files(workers, run_dir: Path, names: list[str], what: str, timeout_s:
             raise RuntimeError(f"workers exited before all were {what}; see {run_dir}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers not {what} after {timeout_s}s; see {run_dir}")
-        time.sleep(0.05)
+        time.sleep(poll_s)
 
 
 def report(rows: list[dict[str, Outcome]], args, base_bytes: int | None = None) -> str:
@@ -693,9 +728,32 @@ def report(rows: list[dict[str, Outcome]], args, base_bytes: int | None = None) 
                     for row in rows
                 )
             )
+    if all(row[a].cpu for row in rows for a in arms):
+        lines += ["", *cpu_report(rows, arms, args)]
     if rows[0][arms[0]].gpu is not None:
         lines += ["", *gpu_report(rows, arms, base_bytes)]
     return "\n".join(lines)
+
+
+def cpu_report(rows: list[dict[str, Outcome]], arms: list[str], args) -> list[str]:
+    """CPU time per step of one job (its process, and its share of serve-base's) and how
+    busy the machine's cores were over the measured window."""
+    cores = os.cpu_count() or 1
+    steps = args.steps
+    lines = [
+        "CPU ms per step of one job (process CPU over the measured steps; executor: "
+        f"serve-base's / jobs, spinning included), and the {cores} cores' use over the window",
+        f"{'N':>3} " + " ".join(f"{a + ' job':>14} {'executor':>9} {'cores':>6}" for a in arms),
+    ]
+    for row in rows:
+        line = f"{row[arms[0]].jobs:>3}"
+        for a in arms:
+            c, n = row[a].cpu, row[a].jobs
+            busy = (c["jobs_s"] + c["executor_s"]) / (c["window_s"] * cores)
+            line += f" {1e3 * c['jobs_s'] / (n * steps):>14.1f}"
+            line += f" {1e3 * c['executor_s'] / (n * steps):>9.1f} {busy:>5.0%}"
+        lines.append(line)
+    return lines
 
 
 def gpu_report(rows: list[dict[str, Outcome]], arms: list[str], base_bytes: int | None) -> list:

@@ -341,3 +341,27 @@ def test_the_benchmark_runs(few_rows, wide_llama):
     assert len(rows) == 4 * 4, done.stdout  # four layers, four row counts
     engine = [line for line in done.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(engine) == 2 and all(line.endswith("x |") for line in engine), done.stdout
+
+
+def test_the_product_ab_runs(few_rows, wide_llama):
+    """benchmarks/profile_decode.py --product-ab at its smallest: both arms timed, without
+    a traceback; without --prepack it says what to pass."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    command = [
+        sys.executable, str(repo / "benchmarks" / "profile_decode.py"), "--model", str(wide_llama),
+        "--batch", "2", "--prompt-len", "8", "--steps", "2", "--max-batched-tokens", "64",
+        "--product-ab", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(
+        [*command, "--prepack"], capture_output=True, text=True, env=env, timeout=300, check=True
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "| usual executor calls |" in done.stdout and "| direct products |" in done.stdout
+    refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode != 0 and "pass --prepack" in refused.stderr

@@ -1,0 +1,37 @@
+"""benchmarks/multi_finetune.py at its smallest: N fine-tuning jobs as vanilla processes
+and through one serve-base, with memory (PSS) and CPU time per process in its report."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_benchmark_reports_throughput_memory_and_cpu(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable, str(REPO / "benchmarks" / "multi_finetune.py"), "--model", "4m",
+            "--jobs", "1", "--steps", "2", "--arms", "vanilla,symbiont", "--work", str(tmp_path),
+        ],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600, check=True,
+    )  # fmt: skip
+    out = done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    # N, two arms' tok/s and GiB, then the split's throughput and memory ratios
+    row = re.search(r"^\s+1((?:\s+[\d.]+){4})\s+([\d.]+)x\s+([\d.]+)x$", out, re.M)
+    assert row, out
+    assert all(float(v) > 0 for v in row.group(1).split()), out
+    assert "CPU ms per step of one job" in out, out
+    cpu = re.search(
+        r"^\s+1\s+([\d.]+)\s+([\d.]+)\s+(\d+)%\s+([\d.]+)\s+([\d.]+)\s+(\d+)%$", out, re.M
+    )
+    assert cpu, out
+    vanilla_job, vanilla_exec, _, split_job, split_exec, _ = map(float, cpu.groups())
+    assert vanilla_job > 0 and vanilla_exec == 0  # no executor in the vanilla arm
+    assert split_job > 0 and split_exec > 0  # the split's products run in serve-base
