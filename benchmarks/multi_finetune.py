@@ -639,12 +639,10 @@ def _barrier(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
 
 def _await_results(workers, run_dir: Path, n: int, timeout_s: float = 900) -> None:
     names = [f"result-{i}.json" for i in range(n)]
-    _await_files(workers, run_dir, names, "done", timeout_s, poll_s=0.005)
+    _await_files(workers, run_dir, names, "done", timeout_s)
 
 
-def _await_files(
-    workers, run_dir: Path, names: list[str], what: str, timeout_s: float, poll_s: float = 0.05
-) -> None:
+def _await_files(workers, run_dir: Path, names: list[str], what: str, timeout_s: float) -> None:
     """Wait until every file in `names` exists in run_dir; raise if a worker fails first."""
     from symbiont import processes as jobs
 
@@ -659,7 +657,7 @@ def _await_files(
             raise RuntimeError(f"workers exited before all were {what}; see {run_dir}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers not {what} after {timeout_s}s; see {run_dir}")
-        time.sleep(poll_s)
+        time.sleep(0.05)
 
 
 def report(rows: list[dict[str, Outcome]], args, base_bytes: int | None = None) -> str:
@@ -738,7 +736,7 @@ def report(rows: list[dict[str, Outcome]], args, base_bytes: int | None = None) 
 def cpu_report(rows: list[dict[str, Outcome]], arms: list[str], args) -> list[str]:
     """CPU time per step of one job (its process, and its share of serve-base's) and how
     busy the machine's cores were over the measured window."""
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # the cores these processes may run on
     steps = args.steps
     lines = [
         "CPU ms per step of one job (process CPU over the measured steps; executor: "

@@ -426,7 +426,7 @@ def product_ab(args, engine) -> list[tuple[str, float]]:
         lean_module._direct_product = bound
 
 
-def _no_product(modules, executor):
+def _no_product(cell, modules, executor):
     return None
 
 

@@ -5,6 +5,8 @@ The plain executor never does: its products stay bitwise the vanilla model's."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from symbiont.base.executor import FEW_ROWS_MAX
 from symbiont.base.onednn import OneDnnExecutor, can_use_onednn
 from symbiont.base.prepack import PrepackedExecutor, _Packed
 from symbiont.kernels import library
-from symbiont.kernels.few_rows import FewRows
+from symbiont.kernels.few_rows import BoundFewRows, FewRows
 from symbiont.model.layers import LayerKind
 from symbiont.protocol.executor import Op
 from symbiont.serve import Engine, EngineConfig, SamplingParams
@@ -208,6 +210,13 @@ def test_direct_products_are_the_executors_calls_bitwise(few_rows, wide_llama):
             assert len(got) == len(want)
             for y, w in zip(got, want, strict=True):
                 assert y.shape == w.shape and torch.equal(y, w), (layers, rows)
+        wide = torch.randn(3, width + 5, generator=g)[:, :width]  # rows of a wider tensor
+        if len(layers) == 1:
+            want = [packed.call(Op.FORWARD, layers[0], wide)]
+        else:
+            want = list(packed.forward_fused(layers, wide))
+        got = direct(wide)
+        assert got is not None and all(map(torch.equal, got, want)), layers
         x = torch.randn(2, width, generator=g)
         assert direct(x.double()) is None
         assert direct(torch.randn(2, width + 1, generator=g)) is None
@@ -218,6 +227,19 @@ def test_direct_products_are_the_executors_calls_bitwise(few_rows, wide_llama):
     assert taken == {(False, True), (False, False), (True, True), (True, False)}
     assert packed.direct_product(()) is None
     assert packed.direct_product((len(packed.manifest.layers),)) is None
+
+
+def decode_one_then_two_like_vanilla(executor, model_dir, model=None) -> None:
+    """The serving engine on `executor` (and `model`, a client of it) decodes one
+    sequence, then two, into vanilla transformers' greedy tokens."""
+    config = EngineConfig(max_running=2, max_batched_tokens=64, block_size=4, num_blocks=64)
+    engine = Engine(model or load_client(model_dir, executor), config)
+    reference = Reference(model_dir, {})
+    for n in (1, 2):
+        batch = prompts(n, seed=n)
+        outputs = engine.generate(batch, None, SamplingParams(max_tokens=6, temperature=0.0))
+        for prompt, got in zip(batch, outputs, strict=True):
+            assert got == reference.generate(prompt, None, 6)
 
 
 @pytest.mark.skipif(not can_use_onednn("cpu", torch.float32), reason="no oneDNN in this torch")
@@ -243,16 +265,20 @@ def test_the_engine_decodes_through_direct_products(few_rows, wide_llama, monkey
         "call",
         lambda ex, op, layer, x: usual_rows.append(x.shape[0]) or real_call(ex, op, layer, x),
     )
-    config = EngineConfig(max_running=2, max_batched_tokens=64, block_size=4, num_blocks=64)
-    engine = Engine(load_client(wide_llama, executor), config)
-    reference = Reference(wide_llama, {})
-    for n in (1, 2):
-        batch = prompts(n, seed=n)
-        outputs = engine.generate(batch, None, SamplingParams(max_tokens=6, temperature=0.0))
-        for prompt, got in zip(batch, outputs, strict=True):
-            assert got == reference.generate(prompt, None, 6)
+    model = load_client(wide_llama, executor)
+    decode_one_then_two_like_vanilla(executor, wide_llama, model)
     assert {1, 2} <= set(direct_rows)  # decode steps of one and two sequences
     assert not {1, 2} & set(usual_rows)
+    copy.deepcopy(model)  # the bound products are not the model's to copy
+    # without the kernel (benchmarks/few_rows.py's torch arm), its products are not used
+    kernel_rows = []
+    real_bound = BoundFewRows.__call__
+    monkeypatch.setattr(
+        BoundFewRows, "__call__", lambda b, x: kernel_rows.append(x.shape[0]) or real_bound(b, x)
+    )
+    executor.few_rows = None
+    decode_one_then_two_like_vanilla(executor, wide_llama, model)
+    assert kernel_rows == []
 
 
 @pytest.mark.skipif(not can_use_onednn("cpu", torch.float32), reason="no oneDNN in this torch")
@@ -270,14 +296,7 @@ def test_serving_engine_decodes_through_it_and_generates_what_vanilla_does(
     monkeypatch.setattr(
         _Packed, "__call__", lambda p, x: packed_rows.append(x.shape[0]) or real(p, x)
     )
-    config = EngineConfig(max_running=2, max_batched_tokens=64, block_size=4, num_blocks=64)
-    engine = Engine(load_client(wide_llama, executor), config)
-    reference = Reference(wide_llama, {})
-    for n in (1, 2):
-        batch = prompts(n, seed=n)
-        outputs = engine.generate(batch, None, SamplingParams(max_tokens=6, temperature=0.0))
-        for prompt, got in zip(batch, outputs, strict=True):
-            assert got == reference.generate(prompt, None, 6)
+    decode_one_then_two_like_vanilla(executor, wide_llama)
     assert set(counting.rows) == {1, 2}  # decode steps: a row per sequence
     assert 2 in packed_rows and 1 not in packed_rows  # gate/up: packed from 2 rows
 

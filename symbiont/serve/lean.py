@@ -37,7 +37,7 @@ model as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,9 @@ class _Layer:
     head_dim: int
     scaling: float
     window: int | None
+    # the executor's direct products of q/k/v, o, gate/up, down, each made on first use
+    # (`_direct_product`); kept here, not on the modules, which a deep copy would copy
+    products: tuple[list, ...] = field(default_factory=lambda: ([None], [None], [None], [None]))
 
 
 class LeanForward:
@@ -82,6 +85,7 @@ class LeanForward:
         self.norm = model.model.norm
         self.lm_head = model.lm_head
         self.layers = layers
+        self.head_product = [None]  # the LM head's direct product (`_direct_product`)
         # in the order they run, each after a residual add but the first
         self.norms = [*(n for x in layers for n in (x.input_norm, x.post_norm)), self.norm]
         # modules whose forward the loop replaces: a hook on one needs transformers' forward
@@ -136,8 +140,8 @@ class LeanForward:
         for i, layer in enumerate(self.layers):
             a = self._attention(layer, x, cos, sin, ops, direct)
             h, x = _add_rms_norm(ops, norms[2 * i + 1], h, a)
-            h, x = _add_rms_norm(ops, norms[2 * i + 2], h, _mlp(layer.mlp, x, direct))
-        return _project((self.lm_head,), x[:, keep_rows], direct)[0][0]
+            h, x = _add_rms_norm(ops, norms[2 * i + 2], h, _mlp(layer, x, direct))
+        return _project((self.lm_head,), x[:, keep_rows], direct, self.head_product)[0][0]
 
     @staticmethod
     def _attention(
@@ -147,7 +151,8 @@ class LeanForward:
         [1, n, hidden]. cos, sin: [1, n, hd]."""
         attn, n, hd = layer.attn, x.shape[1], layer.head_dim
         # [1, n, heads * hd], [1, n, kv_heads * hd] twice
-        q, k, v = _project((attn.q_proj, attn.k_proj, attn.v_proj), x, direct)
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        q, k, v = _project(qkv, x, direct, layer.products[0])
         v = v.view(1, n, layer.kv_heads, hd).transpose(1, 2)  # [1, kv, n, hd]
         if ops is not None and LayerOps.rotary_fits(
             q, k, cos, sin, layer.heads, layer.kv_heads, hd
@@ -163,10 +168,13 @@ class LeanForward:
         out, _ = paged_attention(
             attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.window
         )  # [1, n, heads, hd]
-        return _project((attn.o_proj,), out.reshape(1, n, -1).contiguous(), direct)[0]
+        out = out.reshape(1, n, -1).contiguous()
+        return _project((attn.o_proj,), out, direct, layer.products[1])[0]
 
 
-def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> list[torch.Tensor]:
+def _project(
+    modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool, cell: list | None = None
+) -> list[torch.Tensor]:
     """Each module's output on x ([1, n, in] -> [1, n, out] each), called in order.
 
     Where they are bare VirtLayers of one executor (no adapter or delta around them, no
@@ -174,8 +182,9 @@ def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> l
     directly: one `forward_fused` for siblings (q/k/v), the VirtLayers' own call once their
     fusion has learned the order, without their module and fusion Python, which in a small
     model's decode step costs more than the product. An in-process serving executor's
-    product bound to these layers (`direct_product`) skips its call's lookups and checks
-    too. The same results, bitwise, on the CPU (tests/test_lean_forward.py)."""
+    product bound to these layers (`direct_product`, kept in `cell`, one per call site)
+    skips its call's lookups and checks too. The same results, bitwise, on the CPU
+    (tests/test_lean_forward.py, tests/test_few_rows.py)."""
     if direct and not torch.is_grad_enabled():
         first = modules[0]
         if isinstance(first, VirtLayer) and x.dtype == first.wire_dtype:
@@ -183,10 +192,11 @@ def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> l
             if all(_bare(m, executor) for m in modules):
                 flat = x.reshape(-1, x.shape[-1])  # [n, in]
                 fused = len(modules) > 1
-                product = _direct_product(modules, executor)
                 outs = None
-                if product is not None and (not fused or first._fusion is not None):
-                    outs = product(flat)  # None: not an x it takes
+                if cell is not None and (not fused or first._fusion is not None):
+                    product = _direct_product(cell, modules, executor)
+                    if product is not None:
+                        outs = product(flat)  # None: not an x it takes
                 if outs is None and not fused:
                     outs = [executor.call(Op.FORWARD, first.spec.id, flat)]
                 elif outs is None and first._fusion is not None:
@@ -196,31 +206,37 @@ def _project(modules: tuple[nn.Module, ...], x: torch.Tensor, direct: bool) -> l
     return [module(x) for module in modules]
 
 
-def _direct_product(modules: tuple[nn.Module, ...], executor):
+def _direct_product(cell: list, modules: tuple[nn.Module, ...], executor):
     """The executor's product bound to these layers' weights (`direct_product`: an
-    in-process serving executor's), made once and kept on the first module for this
-    executor and these siblings; None where the executor offers none."""
-    first = modules[0]
-    kept = first.__dict__.get("_lean_product")
-    if kept is None or kept[0] is not executor or kept[1] != len(modules):
+    in-process serving executor's), or None where it offers none. Kept in `cell` (a call
+    site's: its modules are always the same siblings) and made again when the executor,
+    its few-rows kernel (a benchmark swaps it out) or the first module changes."""
+    kept = cell[0]
+    few_rows = getattr(executor, "few_rows", None)
+    if (
+        kept is None
+        or kept[0] is not executor
+        or kept[1] is not few_rows
+        or kept[2] is not modules[0]
+    ):
         make = getattr(executor, "direct_product", None)
-        product = None if make is None else make(tuple(m.spec.id for m in modules))
-        kept = (executor, len(modules), product)
-        first.__dict__["_lean_product"] = kept
-    return kept[2]
+        layers = tuple(m.spec.id for m in modules)
+        kept = cell[0] = (executor, few_rows, modules[0], None if make is None else make(layers))
+    return kept[3]
 
 
 def _bare(module: nn.Module, executor) -> bool:
     return isinstance(module, VirtLayer) and module._executor is executor and not _hooked(module)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, direct: bool) -> torch.Tensor:
+def _mlp(layer: _Layer, x: torch.Tensor, direct: bool) -> torch.Tensor:
     """transformers' Llama MLP, `down(act(gate(x)) * up(x))`, with its projections through
     `_project` (gate and up as one call)."""
+    mlp = layer.mlp
     if not direct or _hooked(mlp):
         return mlp(x)
-    gate, up = _project((mlp.gate_proj, mlp.up_proj), x, direct)
-    return _project((mlp.down_proj,), mlp.act_fn(gate) * up, direct)[0]
+    gate, up = _project((mlp.gate_proj, mlp.up_proj), x, direct, layer.products[2])
+    return _project((mlp.down_proj,), mlp.act_fn(gate) * up, direct, layer.products[3])[0]
 
 
 def _is_plain_layer(layer: nn.Module, classes: dict) -> bool:
