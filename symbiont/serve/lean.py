@@ -71,7 +71,9 @@ class _Layer:
     window: int | None
     # the executor's direct products of q/k/v, o, gate/up, down, each made on first use
     # (`_direct_product`); kept here, not on the modules, which a deep copy would copy
-    products: tuple[list, ...] = field(default_factory=lambda: ([None], [None], [None], [None]))
+    products: tuple[list, ...] = field(
+        default_factory=lambda: ([None], [None], [None], [None]), compare=False, repr=False
+    )
 
 
 class LeanForward:
@@ -209,19 +211,19 @@ def _project(
 def _direct_product(cell: list, modules: tuple[nn.Module, ...], executor):
     """The executor's product bound to these layers' weights (`direct_product`: an
     in-process serving executor's), or None where it offers none. Kept in `cell` (a call
-    site's: its modules are always the same siblings) and made again when the executor,
-    its few-rows kernel (a benchmark swaps it out) or the first module changes."""
+    site's) and made again when the executor, its few-rows kernel (a benchmark swaps it
+    out) or any of the modules changes."""
     kept = cell[0]
     few_rows = getattr(executor, "few_rows", None)
     if (
         kept is None
         or kept[0] is not executor
         or kept[1] is not few_rows
-        or kept[2] is not modules[0]
+        or kept[2] != modules  # a tuple of modules: compared by identity
     ):
         make = getattr(executor, "direct_product", None)
         layers = tuple(m.spec.id for m in modules)
-        kept = cell[0] = (executor, few_rows, modules[0], None if make is None else make(layers))
+        kept = cell[0] = (executor, few_rows, modules, None if make is None else make(layers))
     return kept[3]
 
 
