@@ -254,6 +254,19 @@ class BaseExecutor(Executor):
         y = torch.nn.functional.linear(x, run.weight, run.bias)  # [n_tokens, sum_out]
         return y.split_with_sizes(run.widths, dim=1)  # views, one per layer
 
+    # Whether serve-base may split a call's product in parts (by rows of x, or by columns
+    # through `run_columns`) and compute them at once: only OneDnnExecutor's, whose
+    # products are within fp32 rounding of torch's anyway; the default's stay whole,
+    # bitwise the vanilla model's
+    splits = False
+
+    def splits_columns(self, op: Op, layers: tuple[int, ...]) -> bool:
+        """Whether `run_columns` computes column blocks of this call's output."""
+        return False
+
+    def run_columns(self, op, layers, x, start, end) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not split its products")
+
     def _run_on_device(self, op: Op, layer: int, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device:
             return self.run(op, layer, x)

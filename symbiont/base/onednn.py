@@ -93,6 +93,41 @@ class OneDnnExecutor(BaseExecutor):
         weight = w.weight.t() if w.kind is LayerKind.LINEAR else w.weight
         return onednn_linear(x, weight, None)
 
+    splits = True
+
+    def splits_columns(self, op: Op, layers: tuple[int, ...]) -> bool:
+        """Whether `run_columns` takes this call: where the output's columns are rows of
+        the stored weight (a forward of LINEAR layers, a backward of a CONV1D one). A block
+        of the weight's columns is a strided view that oneDNN computes about 700x slower
+        than the whole weight (its reference path): such calls split by rows instead."""
+        if len(layers) > 1:
+            return layers in self._runs
+        linear = self._weights[layers[0]].kind is LayerKind.LINEAR
+        return linear if op is Op.FORWARD else not linear
+
+    def run_columns(
+        self, op: Op, layers: tuple[int, ...], x: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """Columns [start, end) of one (already validated) call's output, as `run` (one
+        layer) or `run_fused` (a run of layers, their outputs side by side) computes it,
+        from the weight's matching rows, for calls `splits_columns` takes: a lone
+        client's large products are split this way over serve-base's idle workers
+        (symbiont/base/server.py). x [n, in] for FORWARD, [n, out] for BACKWARD
+        -> [n, end - start]"""
+        if len(layers) > 1:
+            run = self._runs[layers]
+            weight, bias = run.weight[start:end], _rows(run.bias, start, end)
+        elif op is Op.FORWARD:  # LINEAR: y's columns are W's rows
+            w = self._weights[layers[0]]
+            weight, bias = w.weight[start:end], _rows(w.bias, start, end)
+        else:  # CONV1D (weight [in, out]): grad_x = grad_y Wᵀ, its columns are W's rows
+            weight, bias = self._weights[layers[0]].weight[start:end], None
+        if op is Op.FORWARD and self._few_rows_fit(x, weight, bias):
+            return self.few_rows(x, weight, bias)
+        if _pays(x.shape[0], weight.numel()):
+            return onednn_linear(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
     def run_fused(self, layers: tuple[int, ...], x: torch.Tensor) -> list[torch.Tensor]:
         run = self._runs.get(layers)
         if run is not None and self._few_rows_fit(x, run.weight, run.bias):
@@ -101,6 +136,10 @@ class OneDnnExecutor(BaseExecutor):
             return super().run_fused(layers, x)
         y = onednn_linear(x, run.weight, run.bias)  # [n_tokens, sum_out]
         return y.split_with_sizes(run.widths, dim=1)  # views, one per layer
+
+
+def _rows(bias: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if bias is None else bias[start:end]
 
 
 def _pays(rows: int, weights: int) -> bool:

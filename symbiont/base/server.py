@@ -28,6 +28,7 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -81,6 +82,12 @@ FRAMES_GONE_S = 5.0  # a same-host frames client quiet this long is checked for 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum operators cost µs
 SLEEP_RECHECK_MS = 20  # bounds the (tiny) race between "server asleep" and a client's post
 MAX_DRAIN = 256  # messages taken per loop turn, so shared-memory clients are not starved
+# A lone client's calls are split by output columns over the loop and the idle workers,
+# in parts of at least this many multiply-adds: a hand-off to a worker and back costs
+# 20-60 µs, a part of 2^23 about 100 µs of oneDNN on one core (BENCHMARKS.md, session 22)
+SPLIT_MIN_MACS = 1 << 23
+SPLIT_ALIGN = 16  # columns per part: a multiple of this (64 bytes of float32)
+SPLIT_MIN_ROWS = 16  # rows per part, where a call splits by rows
 
 
 class ExecutorServer:
@@ -122,6 +129,8 @@ class ExecutorServer:
         # Segments of sessions that left while a worker may still read or write them:
         # closed once no batch is in flight (unmapping under a worker's matmul kills us).
         self._retired: list[shm.Segment] = []
+        # Into how many parts the loop splits a lone client's large calls (1: none)
+        self._split_ways = 1
         if config.workers > 1:
             # A new thread takes OpenMP's default thread count: give workers ours.
             self._pool = ThreadPoolExecutor(
@@ -646,7 +655,8 @@ class ExecutorServer:
                 waited = sum(started - c.arrived for c in calls)
                 self.stats.record(first.layer, len(calls), tokens, waited, started)
             else:
-                self._answer(calls, self._compute(calls), started, time.monotonic())
+                answers = self._compute(calls, self._split_ways)
+                self._answer(calls, answers, started, time.monotonic())
         except Exception as err:  # a bug in one batch must not stop the loop for everyone
             log.exception("executor failed on a batch of layer %d", first.layer)
             for call in calls:
@@ -682,17 +692,20 @@ class ExecutorServer:
             finished += 1
         return finished
 
-    def _compute(self, calls: list[QueuedCall]) -> dict:
+    def _compute(self, calls: list[QueuedCall], ways: int = 1) -> dict:
         """id(call) -> its outputs [[n_i, out_l] per layer], or `Failed`.
-        Touches no session, socket or segment: runs on a worker thread too."""
+        Touches no session, socket or segment: runs on a worker thread too (with `ways`
+        1: only the loop splits products over the workers, never a worker)."""
         answers: dict = {}
         for op in (Op.FORWARD, Op.BACKWARD):
             group = [c for c in calls if c.op is op]
             if group:
-                self._compute_group(op, calls[0].layer, group, answers)
+                self._compute_group(op, calls[0].layer, group, answers, ways)
         return answers
 
-    def _compute_group(self, op: Op, layer: int, calls: list[QueuedCall], answers: dict) -> None:
+    def _compute_group(
+        self, op: Op, layer: int, calls: list[QueuedCall], answers: dict, ways: int = 1
+    ) -> None:
         """Calls that fuse the same layers run as one batch: one matmul over their
         concatenated tokens for `layer` and its fused siblings together where the executor
         stores them as one block (q/k/v, gate/up), else one per layer."""
@@ -700,7 +713,8 @@ class ExecutorServer:
         for call in calls:
             by_fused.setdefault(call.extra, []).append(call)
         for extra, group in by_fused.items():
-            for call, ys in zip(group, self._batched(op, (layer, *extra), group), strict=True):
+            ys_of = self._batched(op, (layer, *extra), group, ways)
+            for call, ys in zip(group, ys_of, strict=True):
                 answers[id(call)] = ys
 
     def _answer(
@@ -723,13 +737,19 @@ class ExecutorServer:
         waited = sum(started - c.arrived for c in calls)
         self.stats.record(calls[0].layer, len(calls), tokens, waited, started, ended)
 
-    def _batched(self, op: Op, layers: tuple[int, ...], calls: list[QueuedCall]) -> list:
+    def _batched(
+        self, op: Op, layers: tuple[int, ...], calls: list[QueuedCall], ways: int = 1
+    ) -> list:
         """Each call's outputs [[n_i, out_l] per layer of `layers`, in that order: the
-        order its client listed them] from one pass over x of all calls [sum n_i, in];
-        where it fails (e.g. out of memory), `Failed` for each call instead."""
+        order its client listed them] from one pass over x of all calls [sum n_i, in]
+        (split in up to `ways` parts); where it fails (e.g. out of memory), `Failed` for
+        each call instead."""
         try:
             x = self._batch_input(calls)
-            if len(layers) > 1:  # forward only: one matmul where the layers are one run
+            split = self._split(op, layers, x.shape[0], ways)
+            if split is not None:
+                ys = self._split_product(op, layers, x, split)
+            elif len(layers) > 1:  # forward only: one matmul where the layers are one run
                 ys = list(self.executor.run_fused(layers, x))
             else:
                 ys = [self.executor.run(op, layers[0], x)]
@@ -742,6 +762,51 @@ class ExecutorServer:
             return [ys]
         sizes = [c.tokens for c in calls]
         return [list(parts) for parts in zip(*(y.split(sizes) for y in ys), strict=True)]
+
+    def _split(self, op: Op, layers: tuple[int, ...], rows: int, ways: int):
+        """How to compute a call in parts at once: (by_columns, [(start, end)] of the
+        output's columns or of x's rows), or None to compute it whole (`ways` 1, or a
+        product too small for each part to outweigh its hand-off to a worker)."""
+        if ways == 1 or not self.executor.splits:
+            return None
+        width_in, width_out = self.widths[layers[0]]
+        if op is Op.FORWARD:
+            width_out = sum(self.widths[layer][1] for layer in layers)
+        else:  # grad_x [rows, in]
+            width_in, width_out = width_out, width_in
+        by_columns = self.executor.splits_columns(op, layers)
+        size = width_out if by_columns else rows
+        most = size // (SPLIT_ALIGN if by_columns else SPLIT_MIN_ROWS)
+        n = min(ways, rows * width_in * width_out // SPLIT_MIN_MACS, most)
+        if n < 2:
+            return None
+        align = SPLIT_ALIGN if by_columns else 1
+        step = -(-size // (n * align)) * align
+        return by_columns, [(start, min(start + step, size)) for start in range(0, size, step)]
+
+    def _split_product(self, op: Op, layers: tuple[int, ...], x: torch.Tensor, split) -> list:
+        """The call's outputs from its parts, the first computed by the loop and the rest
+        by idle workers at once. x [rows, in] -> [[rows, out_l] per layer]"""
+        by_columns, parts = split
+        if by_columns:
+            run, dim = partial(self.executor.run_columns, op, layers, x), 1
+        else:
+            run, dim = partial(self._rows_of, op, layers, x), 0
+        futures = [self._pool.submit(_part, run, *part) for part in parts[1:]]
+        try:
+            blocks = [run(*parts[0])]
+        finally:  # the workers read x, which may lie in a client's segment: wait for them
+            blocks += [future.result() for future in futures]
+        y = torch.cat(blocks, dim=dim)  # [rows, sum_out]
+        if len(layers) == 1:
+            return [y]
+        return list(y.split_with_sizes([self.widths[layer][1] for layer in layers], dim=1))
+
+    def _rows_of(self, op: Op, layers: tuple[int, ...], x: torch.Tensor, start: int, end: int):
+        """Rows [start, end) of a call's output, side by side for fused layers."""
+        if len(layers) == 1:
+            return self.executor.run(op, layers[0], x[start:end])
+        return torch.cat(self.executor.run_fused(layers, x[start:end]), dim=1)
 
     def _batch_input(self, calls: list[QueuedCall]) -> torch.Tensor:
         """x of all calls [sum n_i, in] on the executor's device (inputs come from host
@@ -896,7 +961,13 @@ class ExecutorServer:
         self._retired.clear()
 
     def _fit_to_sessions(self) -> None:
-        """After a client came or went: whether to spin, and whether to merge calls."""
+        """After a client came or went: whether to spin, whether to merge calls, and
+        whether to split a lone client's products over the workers."""
+        # One client calls one layer at a time: every worker but the loop would sleep,
+        # so the loop computes its large calls in parts on all of them at once.
+        lone = self._pool is not None and self._on_cpu and len(self.sessions) == 1
+        lone = lone and self.executor.splits
+        self._split_ways = self.config.workers if lone else 1
         self._update_spin()
         # On a CPU, merging two clients' calls of one layer saves only 6-11% of the
         # arithmetic (a 256-row matmul against four 64-row ones) but runs them on one
@@ -919,8 +990,17 @@ class ExecutorServer:
             and len(self.sessions) + busy <= self._cores
             and all(s.spin for s in self._shm_sessions())  # a client's cores are taken
         )
+        # Calls the loop splits over the workers need every core: their client sleeps.
+        splits = self._split_ways > 1 and len(self.sessions) + self._split_ways > self._cores
+        spin_below = 2 * SPLIT_MIN_MACS if splits else shm.SPIN_ALWAYS
         for s in self._shm_sessions():
-            s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+            s.segment.ctrl[shm.SPIN_OK] = spin_below if self._spin_ok else 0
+
+
+def _part(run, start: int, end: int) -> torch.Tensor:
+    """One part of a split product, on a worker thread (as the loop computes)."""
+    with torch.inference_mode():
+        return run(start, end)
 
 
 @dataclass(frozen=True)

@@ -580,7 +580,7 @@ class RemoteExecutor(Executor):
         ctrl[shm.FUSED] = len(extra)
         for i, other in enumerate(extra):
             ctrl[shm.EXTRA + i] = other
-        self._post_shm(segment)
+        self._post_shm(segment, rows * in_w * sum(out_ws))
         segment.outputs_ready()  # GPU areas: our copies out queue after the executor's in
         outputs, offset = [], 0
         try:
@@ -593,25 +593,27 @@ class RemoteExecutor(Executor):
             segment.outputs_read()
         return outputs
 
-    def _post_shm(self, segment: shm.Segment) -> None:
-        """Post the call written in the segment and wait for its answer (raises its ERROR)."""
+    def _post_shm(self, segment: shm.Segment, macs: int = 0) -> None:
+        """Post the call written in the segment and wait for its answer (raises its ERROR).
+        macs: the call's multiply-adds, which tell whether spinning on it pays."""
         ctrl = segment.ctrl
         self._seq += 1
         seq = self._seq
         ctrl[shm.REQ_SEQ] = seq
         if (ctrl[shm.SERVER_ASLEEP] or not shm.SPIN_SAFE) and not segment.ring():
             self._sock.send(encode(Ring(seq=seq)))
-        error = self._wait_shm(segment, seq)
+        error = self._wait_shm(segment, seq, macs)
         if ctrl[shm.STATUS]:
             if error:
                 self._raise(error)
             self._await(seq, self.config.timeout_s)  # raises with the executor's message
 
-    def _wait_shm(self, segment: shm.Segment, seq: int) -> Error | None:
+    def _wait_shm(self, segment: shm.Segment, seq: int, macs: int) -> Error | None:
         """Spin on the answer's sequence number, then sleep until the executor wakes us.
         Returns the executor's ERROR if one arrived for this call."""
         ctrl = segment.ctrl
-        spin_until = time.perf_counter() + (self._spin_s if ctrl[shm.SPIN_OK] else 0.0)
+        spin = self._spin_s if macs < ctrl[shm.SPIN_OK] else 0.0
+        spin_until = time.perf_counter() + spin
         while ctrl[shm.RESP_SEQ] != seq:
             if time.perf_counter() > spin_until:
                 break

@@ -1,0 +1,211 @@
+"""A lone client's large products split over serve-base's idle workers
+(symbiont/base/server.py `_split`, `OneDnnExecutor.run_columns`): the parts together equal
+the whole product within fp32 rounding, forward and backward, LINEAR and CONV1D layers,
+fused runs and biases; a LoRA step through a splitting serve-base equals vanilla
+transformers + peft within that rounding; the client sleeps on split calls and spins on
+the rest; a second client ends the splitting; the default executor never splits."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import symbiont
+from symbiont import BaseExecutor
+from symbiont.base import onednn as onednn_module
+from symbiont.base import server as server_module
+from symbiont.base.config import ServiceConfig
+from symbiont.base.onednn import OneDnnExecutor, can_use_onednn
+from symbiont.base.server import ExecutorServer
+from symbiont.model.layers import LayerKind
+from symbiont.protocol import shm
+from symbiont.protocol.executor import Op
+from tests.test_exactness import batch, grads, lora, make_pair
+from tests.test_service_server import serving_thread
+from tests.tiny_models import ARCHS
+
+pytestmark = pytest.mark.skipif(
+    not can_use_onednn("cpu", torch.float32), reason="this torch build has no oneDNN"
+)
+ATOL, RTOL = 1e-5, 1e-5  # another summation order: fp32 rounding apart
+
+
+def onednn_of(path) -> OneDnnExecutor:
+    return OneDnnExecutor(BaseExecutor.from_pretrained(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # qwen2: biases; gpt2: CONV1D
+def test_column_parts_together_equal_the_whole_product(checkpoints, arch, monkeypatch):
+    """For every call whose output columns are rows of the stored weight, the column
+    parts side by side equal `run` (`run_fused` for a run of layers); the others (a
+    strided block of the weight, which oneDNN computes ~700x slower) are refused."""
+    executor = onednn_of(checkpoints(arch))
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_MACS", 0)  # tiny layers: oneDNN too
+    g = torch.Generator().manual_seed(0)
+    taken = set()
+    for spec in executor.manifest.layers:
+        linear = spec.kind is LayerKind.LINEAR
+        for op, width_in, width_out in (
+            (Op.FORWARD, spec.in_features, spec.out_features),
+            (Op.BACKWARD, spec.out_features, spec.in_features),
+        ):
+            splits = executor.splits_columns(op, (spec.id,))
+            assert splits is (linear if op is Op.FORWARD else not linear), (spec.name, op)
+            if not splits:
+                continue
+            taken.add((spec.kind, op))
+            for rows in (3, 64):  # few rows (the few-rows kernel where built) and oneDNN's
+                x = torch.randn(rows, width_in, generator=g)
+                bounds = sorted({0, 16, width_out // 2 // 16 * 16, width_out})
+                parts = [
+                    executor.run_columns(op, (spec.id,), x, s, e)
+                    for s, e in itertools.pairwise(bounds)
+                ]
+                got, want = torch.cat(parts, dim=1), executor.run(op, spec.id, x)
+                assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), (spec.name, op, rows)
+    want = {(LayerKind.LINEAR, Op.FORWARD)}  # and GPT-2's CONV1D backward (lm_head: LINEAR)
+    assert taken == want | ({(LayerKind.CONV1D, Op.BACKWARD)} if arch == "gpt2" else set())
+    for layers, run in executor._runs.items():  # q/k/v, gate/up: the block's rows
+        assert executor.splits_columns(Op.FORWARD, layers)
+        x = torch.randn(64, run.in_features, generator=g)
+        total = sum(run.widths)
+        parts = [
+            executor.run_columns(Op.FORWARD, layers, x, s, e) for s, e in ((0, 32), (32, total))
+        ]
+        want = torch.cat(executor.run_fused(layers, x), dim=1)
+        assert torch.allclose(torch.cat(parts, dim=1), want, atol=ATOL, rtol=RTOL), layers
+    plain = BaseExecutor.from_pretrained(checkpoints(arch))
+    assert not plain.splits and not plain.splits_columns(Op.FORWARD, (0,))
+    with pytest.raises(NotImplementedError, match="does not split its products"):
+        plain.run_columns(Op.FORWARD, (0,), torch.ones(1, 1), 0, 1)
+
+
+class Spy:
+    """Counts the parts computed, and on which threads."""
+
+    def __init__(self, server: ExecutorServer, monkeypatch):
+        self.threads: list[int] = []
+        for owner, name in ((server.executor, "run_columns"), (server, "_rows_of")):
+            real = getattr(owner, name)
+            monkeypatch.setattr(owner, name, self.counting(real))
+
+    def counting(self, real):
+        def part(*args):
+            self.threads.append(threading.get_ident())
+            return real(*args)
+
+        return part
+
+
+@pytest.fixture
+def splitting(checkpoints, monkeypatch):
+    """A factory: an in-process serve-base on `arch` with oneDNN products, two workers on
+    two cores, parts of at least 2^10 multiply-adds (the tiny test layers split too)."""
+    monkeypatch.setattr(server_module, "SPLIT_MIN_MACS", 1 << 10)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_MACS", 0)
+    started = []
+
+    def start(arch: str) -> tuple[ExecutorServer, Spy]:
+        config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=2)
+        server = ExecutorServer(onednn_of(checkpoints(arch)), config)
+        server.bind()
+        started.append((server, serving_thread(server)))
+        return server, Spy(server, monkeypatch)
+
+    yield start
+    for server, thread in started:
+        server.stop()
+        thread.join(10)
+
+
+def connect(server: ExecutorServer, path):
+    return symbiont.connect(
+        server.endpoints[0], mode="shm", checkpoint=path, timeout_s=20, connect_timeout_s=5
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2: CONV1D, split by rows and columns
+def test_a_lora_step_through_split_products_equals_vanilla(checkpoints, splitting, arch):
+    """Logits, loss and every LoRA gradient of a step whose base products a lone client's
+    serve-base splits over its two workers, against vanilla transformers + peft."""
+    path = checkpoints(arch)
+    server, spy = splitting(arch)
+    executor = connect(server, path)
+    try:
+        vanilla, split = make_pair(path, executor, lora(ARCHS[arch], all_linear=True))
+        inputs = batch(rows=4, length=16)  # 64 rows a call
+        want = vanilla(**inputs, labels=inputs["input_ids"])
+        got = split(**inputs, labels=inputs["input_ids"])
+        assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+        want.loss.backward()
+        got.loss.backward()
+        assert torch.allclose(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+        ours, theirs = grads(split), grads(vanilla)
+        assert ours.keys() == theirs.keys() and ours
+        for name in theirs:
+            assert torch.allclose(ours[name], theirs[name], atol=1e-5, rtol=1e-4), name
+    finally:
+        executor.close()
+    assert len(set(spy.threads)) == 2, "parts ran on the loop and on a worker"
+    calls = 2 * len(server.manifest.layers)  # forward and backward of each, at least one part
+    assert len(spy.threads) > calls, "every product split in two parts, fused runs in one"
+
+
+def test_the_client_sleeps_on_split_calls_and_a_second_client_ends_the_splitting(
+    checkpoints, splitting
+):
+    """On two cores a lone client must not spin on a call the loop splits over both
+    (its spin would take a part's core): SPIN_OK tells it the size from which calls
+    split. A second client puts the workers to its own calls: no more splitting, and
+    nobody spins (three busy threads on two cores)."""
+    path = checkpoints("llama")
+    server, spy = splitting("llama")
+    spec = server.manifest.layers[0]
+    x = torch.randn(64, spec.in_features)
+    want = server.executor.run(Op.FORWARD, spec.id, x)
+    first = connect(server, path)
+    try:
+        assert torch.allclose(first.forward(spec.id, x), want, atol=ATOL, rtol=RTOL)
+        assert first.transport == "shm"
+        assert first._segment.ctrl[shm.SPIN_OK] == 2 * server_module.SPLIT_MIN_MACS
+        assert len(spy.threads) == 2
+        second = connect(server, path)
+        try:
+            second.forward(spec.id, x)
+            assert first._segment.ctrl[shm.SPIN_OK] == 0
+            before = len(spy.threads)
+            for client in (first, second):
+                got = client.forward(spec.id, x)
+                assert torch.allclose(got, want, atol=ATOL, rtol=RTOL)
+            assert len(spy.threads) == before, "two clients: each call whole, on a worker"
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_the_default_executor_never_splits(checkpoints, monkeypatch):
+    """`--matmul torch` (bitwise the vanilla model's products) keeps every call whole, and
+    a lone client may spin on any call."""
+    monkeypatch.setattr(server_module, "SPLIT_MIN_MACS", 1 << 10)
+    path = checkpoints("llama")
+    config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=2)
+    server = ExecutorServer(BaseExecutor.from_pretrained(path), config)
+    server.bind()
+    thread = serving_thread(server)
+    try:
+        client = connect(server, path)
+        try:
+            spec = server.manifest.layers[0]
+            x = torch.randn(64, spec.in_features)
+            assert torch.equal(client.forward(spec.id, x), server.executor.run(Op.FORWARD, 0, x))
+            assert client._segment.ctrl[shm.SPIN_OK] == shm.SPIN_ALWAYS
+            assert server._split_ways == 1
+        finally:
+            client.close()
+    finally:
+        server.stop()
+        thread.join(10)
