@@ -480,7 +480,8 @@ def run_one(arm: str, n: int, models: tuple[Path, Path], work: Path, args) -> Ou
                     s.watch(base.pid)
             workers = []
             for i in range(n):
-                workers.append(_spawn_worker(arm, i, model_dir, url, run_dir, args))
+                threads = _job_threads(arm, n, args)
+                workers.append(_spawn_worker(arm, i, model_dir, url, run_dir, args, threads))
                 for s in samplers:
                     s.watch(workers[-1].pid)
             started += workers
@@ -605,12 +606,38 @@ def _step_s(outcome: Outcome, args) -> float:
     return outcome.jobs * args.batch * args.seq / outcome.tokens_per_s
 
 
-def _spawn_worker(arm, i, model_dir, url, run_dir, args):
+def _job_threads(arm: str, n: int, args) -> int:
+    """Torch threads of each of the n jobs of `arm`."""
+    if arm not in ("vanilla", "private") or args.vanilla_threads is None:
+        return args.worker_threads
+    if args.vanilla_threads == "share":  # the cores among the jobs: none left idle at N=1
+        return max(1, len(os.sched_getaffinity(0)) // n)
+    return int(args.vanilla_threads)
+
+
+def _threads_note(args) -> str:
+    jobs = f"{args.worker_threads} torch thread(s) per job"
+    if args.vanilla_threads == "share":
+        return jobs + " (vanilla and private: the cores divided among the jobs)"
+    if args.vanilla_threads is not None:
+        return jobs + f" (vanilla and private: {args.vanilla_threads})"
+    return jobs
+
+
+def _threads_choice(text: str) -> str:
+    if text != "share" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(
+            f"a number of threads (1 or more) or 'share', not {text!r}"
+        )
+    return text
+
+
+def _spawn_worker(arm, i, model_dir, url, run_dir, args, threads: int):
     from symbiont import processes
 
     argv = [
         __file__, "worker", "--mode", arm, "--model", str(model_dir),
-        "--threads", str(args.worker_threads), "--steps", str(args.steps),
+        "--threads", str(threads), "--steps", str(args.steps),
         "--batch", str(args.batch), "--seq", str(args.seq), "--seed", str(i),
         "--rank", str(args.rank), "--targets", args.targets,
         "--ready", str(run_dir / f"ready-{i}"), "--go", str(run_dir / "go"),
@@ -629,7 +656,6 @@ def _spawn_worker(arm, i, model_dir, url, run_dir, args):
     # elsewhere, say).
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     name, env = f"{arm}-worker-{i}", {"PYTHONPATH": path}
-    threads = args.worker_threads
     return processes.spawn(name, [], run_dir, threads=threads, python=argv, env=env)
 
 
@@ -880,6 +906,15 @@ def main(argv=None) -> int:
         "--worker-threads", type=int, default=1, help="torch threads per job process (default 1)"
     )
     parser.add_argument(
+        "--vanilla-threads",
+        type=_threads_choice,
+        default=None,
+        help="torch threads per vanilla and private job: a number, or 'share' for the cores "
+        "divided among the N jobs (2 per job at N=1 on 2 cores: a baseline that leaves no "
+        "core idle, where a lone symbiont client's products use every serve-base worker); "
+        "default: --worker-threads",
+    )
+    parser.add_argument(
         "--executor-threads",
         type=int,
         default=1,
@@ -964,7 +999,8 @@ def main(argv=None) -> int:
         return 0
     print(f"model {args.model} ({_params(models[0]) / 1e6:.0f}M parameters, fp32); LoRA r="
           f"{args.rank} on {args.targets}; batch {args.batch} x seq {args.seq}, {args.steps} "
-          f"measured steps per job; {os.cpu_count()} cores{_device_note(args)}; serve-base "
+          f"measured steps per job; {os.cpu_count()} cores{_device_note(args)}; "
+          f"{_threads_note(args)}; serve-base "
           f"--matmul {args.executor_matmul}", flush=True)  # fmt: skip
     rows = []
     for n in (int(x) for x in args.jobs.split(",")):

@@ -78,7 +78,9 @@ class ServiceConfig:
     whether spinning pays (default: the cores this process may run on; pass the host's
     when the executor is pinned to a few of them). workers: how many batches (of
     different layers, from different clients) are computed at once, each on a thread of
-    its own; the loop itself only takes calls and answers them meanwhile.
+    its own; the loop itself only takes calls and answers them meanwhile (with a single
+    client, the loop computes its calls and splits the large ones over the workers, where
+    the executor's products may be split: symbiont/base/server.py).
     """
 
     bind: tuple[str, ...] = field(
@@ -138,7 +140,8 @@ class ServiceConfig:
         metadata={
             "help": "batches run at once, each on its own thread with --threads torch threads: "
             "with several clients at different layers, --workers CORES --threads 1 keeps every "
-            "core on a matmul without OpenMP's barriers (1: one batch at a time)"
+            "core on a matmul without OpenMP's barriers (1: one batch at a time); with one "
+            "client and --matmul onednn, its large products are split over the workers"
         },
     )
 
