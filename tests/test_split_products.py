@@ -209,3 +209,32 @@ def test_the_default_executor_never_splits(checkpoints, monkeypatch):
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_a_part_that_fails_fails_its_call_only(checkpoints, splitting, monkeypatch):
+    """A part that raises on a worker (out of memory, say) fails that call with the error,
+    after every part has finished reading x; the next call is answered."""
+    from symbiont.protocol.executor import ExecutorError
+
+    path = checkpoints("llama")
+    server, _ = splitting("llama")
+    spec = server.manifest.layers[0]
+    real = server.executor.run_columns
+    worker_part_fails = [True]
+
+    def flaky(op, layers, x, start, end):
+        if start > 0 and worker_part_fails[0]:
+            raise RuntimeError("out of memory")
+        return real(op, layers, x, start, end)
+
+    monkeypatch.setattr(server.executor, "run_columns", flaky)
+    x = torch.randn(64, spec.in_features)
+    client = connect(server, path)
+    try:
+        with pytest.raises(ExecutorError, match=f"failed running layer {spec.id}: out of memory"):
+            client.forward(spec.id, x)
+        worker_part_fails[0] = False
+        want = server.executor.run(Op.FORWARD, spec.id, x)
+        assert torch.allclose(client.forward(spec.id, x), want, atol=ATOL, rtol=RTOL)
+    finally:
+        client.close()

@@ -26,7 +26,7 @@ import secrets
 import socket
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 
@@ -795,8 +795,9 @@ class ExecutorServer:
         futures = [self._pool.submit(_part, run, *part) for part in parts[1:]]
         try:
             blocks = [run(*parts[0])]
-        finally:  # the workers read x, which may lie in a client's segment: wait for them
-            blocks += [future.result() for future in futures]
+        finally:  # the workers read x, which may lie in a client's segment: wait for all
+            wait(futures)
+        blocks += [future.result() for future in futures]  # raises a part's error
         y = torch.cat(blocks, dim=dim)  # [rows, sum_out]
         if len(layers) == 1:
             return [y]
