@@ -158,8 +158,13 @@ def test_clients_batched_together_each_get_their_own_outputs(checkpoints, tmp_pa
             except Exception as err:  # noqa: BLE001 - reported by the test thread
                 errors.append(f"{mode} client: {err}")
 
-        run_at_once(client, [(10, "shm"), (11, "zmq")])
-        batched = sum(e.calls - e.batches for e in server.stats.layers.values())
+        # Whether two calls meet depends on timing: on a loaded machine the clients may
+        # drift apart for a whole run (once in a full suite run), so run again then.
+        for _ in range(3):
+            run_at_once(client, [(10, "shm"), (11, "zmq")])
+            batched = sum(e.calls - e.batches for e in server.stats.layers.values())
+            if batched or errors:
+                break
     assert not errors, errors
     assert batched > 0, "no two calls ever ran in one batch: the test proves nothing"
 
