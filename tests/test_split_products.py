@@ -238,3 +238,54 @@ def test_a_part_that_fails_fails_its_call_only(checkpoints, splitting, monkeypat
         assert torch.allclose(client.forward(spec.id, x), want, atol=ATOL, rtol=RTOL)
     finally:
         client.close()
+
+
+def test_a_lone_finetune_job_through_a_splitting_serve_base(wide_llama, tmp_path):
+    """`symbiont finetune --executor` alone on `serve-base --workers 2 --matmul onednn`
+    (real processes, as a user starts them): its fused gate/up calls are split over the
+    workers (the base's stats count them), and the adapter it trains equals the same
+    run on an in-process executor within fp32 rounding."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from symbiont.cli import main
+    from symbiont.cli.stats import render
+    from symbiont.client.remote import stats_of
+    from symbiont.processes import ServerProcess
+    from tests.test_combinations import REPO, _finetune_argv
+    from tests.test_serve_common import add_char_tokenizer
+
+    model = tmp_path / "wide-llama"
+    shutil.copytree(wide_llama, model)
+    add_char_tokenizer(model)
+    data = tmp_path / "train.jsonl"
+    long = "a long answer, so that every sequence fills its 32 tokens"
+    data.write_text(
+        "".join(f'{{"prompt": "Q{i}:", "completion": " {long} {i}"}}\n' for i in range(8))
+    )
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = ("--threads", "1", "--workers", "2", "--matmul", "onednn")
+    with ServerProcess(model, args=args) as base:
+        url = base.url("tcp")
+        done = subprocess.run(
+            [sys.executable, "-m", "symbiont", *_finetune_argv(model, data, tmp_path / "shared", url)],
+            capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **env},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        stats = stats_of(url)
+    assert stats["split_batches"] > 0, stats
+    assert "split over the workers (one client)" in render(stats)
+    assert main(_finetune_argv(model, data, tmp_path / "alone", None)) == 0
+    shared = load_file(str(tmp_path / "shared" / "adapter_model.safetensors"))
+    alone = load_file(str(tmp_path / "alone" / "adapter_model.safetensors"))
+    assert shared.keys() == alone.keys() and shared
+    # oneDNN's summation order against torch's, over six Adam steps: Adam scales each
+    # element's step by its own gradient's size, so the last bits of a near-zero gradient
+    # move a few elements by up to ~1e-4 (here: the largest difference 8e-5, the mean
+    # 1e-7, against elements of mean size 0.02); a wrong product would move them all.
+    for name in shared:
+        diff = (shared[name] - alone[name]).abs()
+        assert float(diff.mean()) < 1e-6 and float(diff.max()) < 1e-3, name

@@ -788,6 +788,7 @@ class ExecutorServer:
         """The call's outputs from its parts, the first computed by the loop and the rest
         by idle workers at once. x [rows, in] -> [[rows, out_l] per layer]"""
         by_columns, parts = split
+        self.stats.split_batches += 1  # the loop's own count: only the loop splits
         if by_columns:
             run, dim = partial(self.executor.run_columns, op, layers, x), 1
         else:

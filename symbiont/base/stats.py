@@ -42,6 +42,7 @@ class Stats:
         self.recent = RateWindow(WINDOW_S)
         self.refused = 0
         self.errors = 0
+        self.split_batches = 0  # computed in parts over the workers (a lone client's)
 
     def record(
         self,
@@ -79,6 +80,7 @@ class Stats:
             "tokens_per_s": self.recent.rate(),
             "refused": self.refused,
             "errors": self.errors,
+            "split_batches": self.split_batches,
             "total": total.to_dict(),
             "layers": {self.names[i]: e.to_dict() for i, e in sorted(self.layers.items())},
         }

@@ -42,6 +42,10 @@ def run(args) -> int:
     return 0
 
 
+def _split_note(split: int) -> str:
+    return f", {split} split over the workers (one client)" if split else ""
+
+
 def render(stats: dict) -> str:
     total = stats["total"]
     lines = [
@@ -51,7 +55,8 @@ def render(stats: dict) -> str:
         f"{stats['refused']} refused, {stats['errors']} errors",
         f"all layers: {total['batches']} batches, mean batch {total['mean_batch_calls']:.2f} "
         f"calls / {total['mean_batch_tokens']:.1f} tokens, "
-        f"mean queue wait {total['mean_queue_wait_ms']:.3f} ms",
+        f"mean queue wait {total['mean_queue_wait_ms']:.3f} ms"
+        + _split_note(stats.get("split_batches", 0)),
         f"clients ({len(stats['clients'])}):",
     ]
     for c in stats["clients"]:
