@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -39,78 +40,139 @@ def onednn_of(path) -> OneDnnExecutor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # qwen2: biases; gpt2: CONV1D
 def test_column_parts_together_equal_the_whole_product(checkpoints, arch, monkeypatch):
-    """For every call whose output columns are rows of the stored weight, the column
-    parts side by side equal `run` (`run_fused` for a run of layers); the others (a
-    strided block of the weight, which oneDNN computes ~700x slower) are refused."""
+    """For every layer and direction, and every fused run, column parts side by side
+    equal `run` (`run_fused`): from blocks of the weight's rows where those give the
+    output's columns, else from strided blocks of its columns (through torch's product:
+    oneDNN's would be ~700x slower), with few rows (the few-rows kernel where built) and
+    many (oneDNN's)."""
+    from symbiont.kernels.few_rows import FewRows
+
     executor = onednn_of(checkpoints(arch))
+    executor.few_rows = FewRows.load()  # as serve-base attaches it (None: not built here)
     monkeypatch.setattr(onednn_module, "ONEDNN_MIN_MACS", 0)  # tiny layers: oneDNN too
+    strided = []
+    real_linear = torch.nn.functional.linear
+
+    def spy_linear(x, weight, bias=None):
+        strided.append(weight.stride(-1) != 1)
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
     g = torch.Generator().manual_seed(0)
-    taken = set()
+    kinds = set()
     for spec in executor.manifest.layers:
         linear = spec.kind is LayerKind.LINEAR
         for op, width_in, width_out in (
             (Op.FORWARD, spec.in_features, spec.out_features),
             (Op.BACKWARD, spec.out_features, spec.in_features),
         ):
-            splits = executor.splits_columns(op, (spec.id,))
-            assert splits is (linear if op is Op.FORWARD else not linear), (spec.name, op)
-            if not splits:
-                continue
-            taken.add((spec.kind, op))
-            for rows in (3, 64):  # few rows (the few-rows kernel where built) and oneDNN's
+            blocks = executor.column_blocks(op, (spec.id,))
+            assert blocks == ("rows" if linear is (op is Op.FORWARD) else "columns")
+            kinds.add((spec.kind, op, blocks))
+            for rows in (3, 64):
                 x = torch.randn(rows, width_in, generator=g)
                 bounds = sorted({0, 16, width_out // 2 // 16 * 16, width_out})
+                strided.clear()
                 parts = [
                     executor.run_columns(op, (spec.id,), x, s, e)
                     for s, e in itertools.pairwise(bounds)
                 ]
+                assert all(strided) is (blocks == "columns") or not strided
                 got, want = torch.cat(parts, dim=1), executor.run(op, spec.id, x)
                 assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), (spec.name, op, rows)
-    want = {(LayerKind.LINEAR, Op.FORWARD)}  # and GPT-2's CONV1D backward (lm_head: LINEAR)
-    assert taken == want | ({(LayerKind.CONV1D, Op.BACKWARD)} if arch == "gpt2" else set())
+    assert (LayerKind.LINEAR, Op.BACKWARD, "columns") in kinds  # lm_head, even in GPT-2
+    if arch == "gpt2":
+        assert {
+            (LayerKind.CONV1D, Op.FORWARD, "columns"),
+            (LayerKind.CONV1D, Op.BACKWARD, "rows"),
+        } <= kinds
     for layers, run in executor._runs.items():  # q/k/v, gate/up: the block's rows
-        assert executor.splits_columns(Op.FORWARD, layers)
-        x = torch.randn(64, run.in_features, generator=g)
+        assert executor.column_blocks(Op.FORWARD, layers) == "rows"
+        assert executor.column_blocks(Op.FORWARD, layers[::-1]) is None  # not one block
         total = sum(run.widths)
-        parts = [
-            executor.run_columns(Op.FORWARD, layers, x, s, e) for s, e in ((0, 32), (32, total))
-        ]
-        want = torch.cat(executor.run_fused(layers, x), dim=1)
-        assert torch.allclose(torch.cat(parts, dim=1), want, atol=ATOL, rtol=RTOL), layers
+        for rows in (3, 64):
+            x = torch.randn(rows, run.in_features, generator=g)
+            parts = [
+                executor.run_columns(Op.FORWARD, layers, x, s, e) for s, e in ((0, 32), (32, total))
+            ]
+            want = torch.cat(executor.run_fused(layers, x), dim=1)
+            assert torch.allclose(torch.cat(parts, dim=1), want, atol=ATOL, rtol=RTOL), layers
     plain = BaseExecutor.from_pretrained(checkpoints(arch))
-    assert not plain.splits and not plain.splits_columns(Op.FORWARD, (0,))
+    assert not plain.splits and plain.column_blocks(Op.FORWARD, (0,)) is None
     with pytest.raises(NotImplementedError, match="does not split its products"):
         plain.run_columns(Op.FORWARD, (0,), torch.ones(1, 1), 0, 1)
 
 
+def test_how_a_call_is_split(checkpoints):
+    """`_split`: parts cover the output's columns (multiples of 16) or x's rows (16 or
+    more each) without gaps, at most `ways` of them, none for small calls or where no
+    block fits; strided column blocks only for calls of too few rows for row blocks."""
+    config = ServiceConfig(bind=("tcp://127.0.0.1:*",), workers=4, host_cores=4)
+    server = ExecutorServer(onednn_of(checkpoints("gpt2")), config)
+    try:
+        layers = server.manifest.layers
+        conv = next(s for s in layers if s.kind is LayerKind.CONV1D)
+        linear = next(s for s in layers if s.kind is LayerKind.LINEAR)  # lm_head
+        for spec in (conv, linear):
+            for op in (Op.FORWARD, Op.BACKWARD):
+                width = spec.out_features if op is Op.FORWARD else spec.in_features
+                blocks = server.executor.column_blocks(op, (spec.id,))
+                for rows in (1, 7, 31, 32, 33, 64, 1000, 5000, 100_000):
+                    for ways in (1, 2, 3, 4):
+                        split = server._split(op, (spec.id,), rows, ways)
+                        macs = rows * spec.in_features * spec.out_features
+                        if ways == 1 or macs < 2 * server_module.SPLIT_MIN_MACS:
+                            assert split is None, (spec.name, op, rows, ways)
+                            continue
+                        if split is None:  # too narrow for two column blocks
+                            assert width < 2 * server_module.SPLIT_ALIGN, (spec.name, rows)
+                            continue
+                        by_columns, parts = split
+                        assert 2 <= len(parts) <= ways
+                        assert by_columns is (blocks == "rows" or rows < 32), (op, rows)
+                        size = width if by_columns else rows
+                        assert parts[0][0] == 0 and parts[-1][1] == size
+                        assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+                        if by_columns:
+                            assert all(s % server_module.SPLIT_ALIGN == 0 for s, _ in parts)
+                        else:
+                            assert all(e - s >= 16 for s, e in parts[:-1])
+    finally:
+        server.close()
+
+
 class Spy:
-    """Counts the parts computed, and on which threads."""
+    """Counts the parts computed, on which threads, and of which layers."""
 
     def __init__(self, server: ExecutorServer, monkeypatch):
         self.threads: list[int] = []
+        self.layers: list[tuple[int, ...]] = []
         for owner, name in ((server.executor, "run_columns"), (server, "_rows_of")):
             real = getattr(owner, name)
             monkeypatch.setattr(owner, name, self.counting(real))
 
     def counting(self, real):
-        def part(*args):
+        def part(op, layers, *args):
             self.threads.append(threading.get_ident())
-            return real(*args)
+            self.layers.append(layers)
+            return real(op, layers, *args)
 
         return part
 
 
 @pytest.fixture
 def splitting(checkpoints, monkeypatch):
-    """A factory: an in-process serve-base on `arch` with oneDNN products, two workers on
-    two cores, parts of at least 2^10 multiply-adds (the tiny test layers split too)."""
+    """A factory: an in-process serve-base on `arch` with oneDNN products, two workers of
+    the tests' two torch threads each on four cores, parts of 2^10 multiply-adds or more
+    (the tiny test layers split too)."""
     monkeypatch.setattr(server_module, "SPLIT_MIN_MACS", 1 << 10)
     monkeypatch.setattr(onednn_module, "ONEDNN_MIN_MACS", 0)
     started = []
 
     def start(arch: str) -> tuple[ExecutorServer, Spy]:
-        config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=2)
+        config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=4)
         server = ExecutorServer(onednn_of(checkpoints(arch)), config)
+        assert server._threads == torch.get_num_threads() == 2  # tests/conftest.py's
         server.bind()
         started.append((server, serving_thread(server)))
         return server, Spy(server, monkeypatch)
@@ -150,8 +212,32 @@ def test_a_lora_step_through_split_products_equals_vanilla(checkpoints, splittin
     finally:
         executor.close()
     assert len(set(spy.threads)) == 2, "parts ran on the loop and on a worker"
-    calls = 2 * len(server.manifest.layers)  # forward and backward of each, at least one part
-    assert len(spy.threads) > calls, "every product split in two parts, fused runs in one"
+    calls = 2 * len(server.manifest.layers)  # forward and backward of each layer
+    assert len(spy.threads) > calls, "most products split in two parts"
+
+
+def test_fused_calls_split_too(checkpoints, splitting):
+    """A model without adapters sends q/k/v and gate/up as fused calls (from its second
+    forward on): those split as blocks of the block's rows; its logits equal vanilla
+    transformers' within fp32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints("llama")
+    server, spy = splitting("llama")
+    executor = connect(server, path)
+    try:
+        client = symbiont.load_client(path, executor)
+        vanilla = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        inputs = batch(rows=4, length=16)
+        with torch.no_grad():
+            for _ in range(2):  # the first forward teaches the fusion the call order
+                got = client(**inputs).logits
+            want = vanilla(**inputs).logits
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        executor.close()
+    fused = [layers for layers in spy.layers if len(layers) > 1]
+    assert fused and all(layers in server.executor._runs for layers in fused), spy.layers
 
 
 def test_the_client_sleeps_on_split_calls_and_a_second_client_ends_the_splitting(
@@ -170,7 +256,8 @@ def test_the_client_sleeps_on_split_calls_and_a_second_client_ends_the_splitting
     try:
         assert torch.allclose(first.forward(spec.id, x), want, atol=ATOL, rtol=RTOL)
         assert first.transport == "shm"
-        assert first._segment.ctrl[shm.SPIN_OK] == 2 * server_module.SPLIT_MIN_MACS
+        assert first._segment.ctrl[shm.SPIN_OK] == 1
+        assert first._segment.ctrl[shm.SPIN_BELOW] == 2 * server_module.SPLIT_MIN_MACS
         assert len(spy.threads) == 2
         second = connect(server, path)
         try:
@@ -183,8 +270,36 @@ def test_the_client_sleeps_on_split_calls_and_a_second_client_ends_the_splitting
             assert len(spy.threads) == before, "two clients: each call whole, on a worker"
         finally:
             second.close()
+        deadline = time.monotonic() + 5  # the second session ends as it says bye
+        while len(server.sessions) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first._segment.ctrl[shm.SPIN_BELOW] == 2 * server_module.SPLIT_MIN_MACS
+        before = len(spy.threads)
+        assert torch.allclose(first.forward(spec.id, x), want, atol=ATOL, rtol=RTOL)
+        assert len(spy.threads) == before + 2, "alone again: split again"
     finally:
         first.close()
+
+
+def test_parts_never_take_more_threads_than_cores(checkpoints):
+    """Each part computes on its thread's torch threads: with two threads per worker on
+    two cores, a lone client's calls stay whole (and it may spin on any of them)."""
+    path = checkpoints("llama")
+    config = ServiceConfig(bind=("tcp://127.0.0.1:*",), spin_us=2000, workers=2, host_cores=2)
+    server = ExecutorServer(onednn_of(path), config)
+    server.bind()
+    thread = serving_thread(server)
+    try:
+        client = connect(server, path)
+        try:
+            client.forward(0, torch.randn(64, server.manifest.layers[0].in_features))
+            assert server._threads == 2 and server._split_ways == 1
+            assert client._segment.ctrl[shm.SPIN_BELOW] == 0
+        finally:
+            client.close()
+    finally:
+        server.stop()
+        thread.join(10)
 
 
 def test_the_default_executor_never_splits(checkpoints, monkeypatch):
@@ -202,13 +317,46 @@ def test_the_default_executor_never_splits(checkpoints, monkeypatch):
             spec = server.manifest.layers[0]
             x = torch.randn(64, spec.in_features)
             assert torch.equal(client.forward(spec.id, x), server.executor.run(Op.FORWARD, 0, x))
-            assert client._segment.ctrl[shm.SPIN_OK] == shm.SPIN_ALWAYS
+            assert client._segment.ctrl[shm.SPIN_OK] == 1
+            assert client._segment.ctrl[shm.SPIN_BELOW] == 0  # spin on any call
             assert server._split_ways == 1
         finally:
             client.close()
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_a_call_whose_own_part_fails_waits_for_the_workers_parts(
+    checkpoints, splitting, monkeypatch
+):
+    """The loop's part raises while a worker's part still reads x (in the client's
+    segment): the call fails only after that part is done, so nothing reads a segment
+    that may be reused or unmapped."""
+    from symbiont.protocol.executor import ExecutorError
+
+    path = checkpoints("llama")
+    server, _ = splitting("llama")
+    spec = server.manifest.layers[0]
+    real = server.executor.run_columns
+    done = threading.Event()
+
+    def flaky(op, layers, x, start, end):
+        if start == 0:
+            raise RuntimeError("out of memory")
+        time.sleep(0.3)
+        out = real(op, layers, x, start, end)
+        done.set()
+        return out
+
+    monkeypatch.setattr(server.executor, "run_columns", flaky)
+    client = connect(server, path)
+    try:
+        with pytest.raises(ExecutorError, match="out of memory"):
+            client.forward(spec.id, torch.randn(64, spec.in_features))
+        assert done.is_set(), "the call failed while a worker still read x"
+    finally:
+        client.close()
 
 
 def test_a_part_that_fails_fails_its_call_only(checkpoints, splitting, monkeypatch):

@@ -260,9 +260,11 @@ class BaseExecutor(Executor):
     # bitwise the vanilla model's
     splits = False
 
-    def splits_columns(self, op: Op, layers: tuple[int, ...]) -> bool:
-        """Whether `run_columns` computes column blocks of this call's output."""
-        return False
+    def column_blocks(self, op: Op, layers: tuple[int, ...]) -> str | None:
+        """How `run_columns` computes blocks of this call's output columns: from blocks of
+        the weight's rows ("rows"), from strided blocks of its columns ("columns"), or
+        not at all (None)."""
+        return None
 
     def run_columns(self, op, layers, x, start, end) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not split its products")

@@ -95,33 +95,37 @@ class OneDnnExecutor(BaseExecutor):
 
     splits = True
 
-    def splits_columns(self, op: Op, layers: tuple[int, ...]) -> bool:
-        """Whether `run_columns` takes this call: where the output's columns are rows of
-        the stored weight (a forward of LINEAR layers, a backward of a CONV1D one). A block
-        of the weight's columns is a strided view that oneDNN computes about 700x slower
-        than the whole weight (its reference path): such calls split by rows instead."""
+    def column_blocks(self, op: Op, layers: tuple[int, ...]) -> str | None:
+        """ "rows" where the output's columns are rows of the stored weight (a forward of
+        LINEAR layers or of a run of one block, a backward of a CONV1D layer), "columns"
+        where they are its columns (the other single layers), None for fused layers that
+        are not one block."""
         if len(layers) > 1:
-            return layers in self._runs
+            return "rows" if layers in self._runs else None
         linear = self._weights[layers[0]].kind is LayerKind.LINEAR
-        return linear if op is Op.FORWARD else not linear
+        return "rows" if linear is (op is Op.FORWARD) else "columns"
 
     def run_columns(
         self, op: Op, layers: tuple[int, ...], x: torch.Tensor, start: int, end: int
     ) -> torch.Tensor:
         """Columns [start, end) of one (already validated) call's output, as `run` (one
         layer) or `run_fused` (a run of layers, their outputs side by side) computes it,
-        from the weight's matching rows, for calls `splits_columns` takes: a lone
-        client's large products are split this way over serve-base's idle workers
-        (symbiont/base/server.py). x [n, in] for FORWARD, [n, out] for BACKWARD
-        -> [n, end - start]"""
+        for calls `column_blocks` takes: a lone client's large products are split this
+        way over serve-base's idle workers (symbiont/base/server.py).
+        x [n, in] for FORWARD, [n, out] for BACKWARD -> [n, end - start]"""
         if len(layers) > 1:
             run = self._runs[layers]
             weight, bias = run.weight[start:end], _rows(run.bias, start, end)
-        elif op is Op.FORWARD:  # LINEAR: y's columns are W's rows
+        else:
             w = self._weights[layers[0]]
-            weight, bias = w.weight[start:end], _rows(w.bias, start, end)
-        else:  # CONV1D (weight [in, out]): grad_x = grad_y Wᵀ, its columns are W's rows
-            weight, bias = self._weights[layers[0]].weight[start:end], None
+            rows = self.column_blocks(op, layers) == "rows"
+            # LINEAR's weight is [out, in], CONV1D's [in, out]: forward uses it as [out, in]
+            weight = w.weight[start:end] if rows else w.weight[:, start:end].t()
+            bias = _rows(w.bias, start, end) if op is Op.FORWARD else None
+        if weight.stride(-1) != 1:
+            # A strided block of the weight's columns: oneDNN takes its reference path
+            # there (~700x slower than the whole weight), torch's product does not
+            return torch.nn.functional.linear(x, weight, bias)
         if op is Op.FORWARD and self._few_rows_fit(x, weight, bias):
             return self.few_rows(x, weight, bias)
         if _pays(x.shape[0], weight.numel()):

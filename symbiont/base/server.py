@@ -82,9 +82,10 @@ FRAMES_GONE_S = 5.0  # a same-host frames client quiet this long is checked for 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum operators cost µs
 SLEEP_RECHECK_MS = 20  # bounds the (tiny) race between "server asleep" and a client's post
 MAX_DRAIN = 256  # messages taken per loop turn, so shared-memory clients are not starved
-# A lone client's calls are split by output columns over the loop and the idle workers,
-# in parts of at least this many multiply-adds: a hand-off to a worker and back costs
-# 20-60 µs, a part of 2^23 about 100 µs of oneDNN on one core (BENCHMARKS.md, session 22)
+# A lone client's large calls are split in parts (blocks of output columns or of rows)
+# over the loop and the idle workers, one part per this many multiply-adds at most: a
+# hand-off to a worker and back costs ~50 µs, 2^23 multiply-adds about 100 µs of oneDNN
+# on one core (BENCHMARKS.md, session 22). So a call splits from 2 * SPLIT_MIN_MACS on.
 SPLIT_MIN_MACS = 1 << 23
 SPLIT_ALIGN = 16  # columns per part: a multiple of this (64 bytes of float32)
 SPLIT_MIN_ROWS = 16  # rows per part, where a call splits by rows
@@ -131,13 +132,14 @@ class ExecutorServer:
         self._retired: list[shm.Segment] = []
         # Into how many parts the loop splits a lone client's large calls (1: none)
         self._split_ways = 1
+        self._threads = torch.get_num_threads()  # each worker's, and the loop's
         if config.workers > 1:
             # A new thread takes OpenMP's default thread count: give workers ours.
             self._pool = ThreadPoolExecutor(
                 config.workers,
                 thread_name_prefix="executor",
                 initializer=torch.set_num_threads,
-                initargs=(torch.get_num_threads(),),
+                initargs=(self._threads,),
             )
         # The loop sleeps on the socket and on this pipe: a worker that finished writes a
         # byte into it, and so does a shared-memory client that posted a call (opening it
@@ -774,7 +776,10 @@ class ExecutorServer:
             width_out = sum(self.widths[layer][1] for layer in layers)
         else:  # grad_x [rows, in]
             width_in, width_out = width_out, width_in
-        by_columns = self.executor.splits_columns(op, layers)
+        blocks = self.executor.column_blocks(op, layers)
+        # Blocks of the weight's rows where they give the output's columns; else blocks of
+        # x's rows, unless too few rows: then strided blocks of the weight's columns
+        by_columns = blocks == "rows" or (blocks == "columns" and rows < 2 * SPLIT_MIN_ROWS)
         size = width_out if by_columns else rows
         most = size // (SPLIT_ALIGN if by_columns else SPLIT_MIN_ROWS)
         n = min(ways, rows * width_in * width_out // SPLIT_MIN_MACS, most)
@@ -793,8 +798,9 @@ class ExecutorServer:
             run, dim = partial(self.executor.run_columns, op, layers, x), 1
         else:
             run, dim = partial(self._rows_of, op, layers, x), 0
-        futures = [self._pool.submit(_part, run, *part) for part in parts[1:]]
+        futures = []
         try:
+            futures += [self._pool.submit(_part, run, *part) for part in parts[1:]]
             blocks = [run(*parts[0])]
         finally:  # the workers read x, which may lie in a client's segment: wait for all
             wait(futures)
@@ -969,7 +975,9 @@ class ExecutorServer:
         # so the loop computes its large calls in parts on all of them at once.
         lone = self._pool is not None and self._on_cpu and len(self.sessions) == 1
         lone = lone and self.executor.splits
-        self._split_ways = self.config.workers if lone else 1
+        # Each part runs on its thread's torch threads: no more of them than cores
+        ways = min(self.config.workers, max(1, self._cores // self._threads))
+        self._split_ways = ways if lone else 1
         self._update_spin()
         # On a CPU, merging two clients' calls of one layer saves only 6-11% of the
         # arithmetic (a 256-row matmul against four 64-row ones) but runs them on one
@@ -993,10 +1001,11 @@ class ExecutorServer:
             and all(s.spin for s in self._shm_sessions())  # a client's cores are taken
         )
         # Calls the loop splits over the workers need every core: their client sleeps.
-        splits = self._split_ways > 1 and len(self.sessions) + self._split_ways > self._cores
-        spin_below = 2 * SPLIT_MIN_MACS if splits else shm.SPIN_ALWAYS
+        split_threads = self._split_ways * self._threads
+        splits = self._split_ways > 1 and len(self.sessions) + split_threads > self._cores
         for s in self._shm_sessions():
-            s.segment.ctrl[shm.SPIN_OK] = spin_below if self._spin_ok else 0
+            s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
+            s.segment.ctrl[shm.SPIN_BELOW] = 2 * SPLIT_MIN_MACS if splits else 0
 
 
 def _part(run, start: int, end: int) -> torch.Tensor:

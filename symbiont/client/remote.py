@@ -612,7 +612,8 @@ class RemoteExecutor(Executor):
         """Spin on the answer's sequence number, then sleep until the executor wakes us.
         Returns the executor's ERROR if one arrived for this call."""
         ctrl = segment.ctrl
-        spin = self._spin_s if macs < ctrl[shm.SPIN_OK] else 0.0
+        below = ctrl[shm.SPIN_BELOW]  # 0 from executors that never split a call
+        spin = self._spin_s if ctrl[shm.SPIN_OK] and (not below or macs < below) else 0.0
         spin_until = time.perf_counter() + spin
         while ctrl[shm.RESP_SEQ] != seq:
             if time.perf_counter() > spin_until:

@@ -7,9 +7,9 @@ Layout (offsets in bytes):
             EXTRA[0..2] (layers fused into the call, fed the same x)
             RESP_SEQ, STATUS, OUT_ROWS          written by the executor
             SERVER_ASLEEP                       executor: "ring me, I am not spinning"
-            SPIN_OK                             executor: "spinning pays (a core each)
-                                                for calls of fewer multiply-adds than
-                                                this" (0: never; SPIN_ALWAYS)
+            SPIN_OK                             executor: "spinning pays: a core each"
+            SPIN_BELOW                          executor: "...but only on calls of fewer
+                                                multiply-adds than this" (0: on any)
             CLOSED                              executor: "session over: say HELLO again"
             DOORBELL                            executor: fd of its wake-up pipe (> 0)
             CLIENT_BELL                         executor: fd of the pipe it wakes this
@@ -31,8 +31,8 @@ area, writes the call fields, then bumps REQ_SEQ; the executor, spinning on REQ_
 runs the call, writes y and bumps RESP_SEQ. Only a side that is not spinning is woken.
 Spinning only pays when every spinner has a core: the executor clears SPIN_OK while its
 shared-memory clients outnumber the cores, and then both sides sleep between calls; and
-a lone client does not spin on the large calls that the executor splits over all its
-cores (every product of at least SPIN_OK multiply-adds) but sleeps. A
+a lone client sleeps on the large calls that the executor splits over all its cores
+(SPIN_BELOW: from that size on the executor may split a call). A
 sleeping side is woken by a byte through a pipe, both pipes the executor's: the client
 writes into the executor's wake-up pipe and reads its own bell, opening each as
 `/proc/<executor pid>/fd/<n>` (like the segment). A byte into a pipe is one kernel
@@ -69,10 +69,9 @@ from symbiont.protocol.executor import DTYPES, MAX_FUSED, Code, Op, ProtocolErro
 
 REQ_SEQ, OP, LAYER, ROWS, FUSED, EXTRA = 0, 1, 2, 3, 4, 5  # EXTRA..EXTRA+MAX_FUSED-1
 RESP_SEQ, STATUS, OUT_ROWS = 8, 9, 10
-SERVER_ASLEEP, SPIN_OK, CLOSED, DOORBELL, CLIENT_BELL = 16, 17, 18, 19, 20
+SERVER_ASLEEP, SPIN_OK, CLOSED, DOORBELL, CLIENT_BELL, SPIN_BELOW = 16, 17, 18, 19, 20, 21
 CLIENT_ASLEEP = 24
 RING, BELL = 1, 2  # CLIENT_ASLEEP values: how the client wants to be woken
-SPIN_ALWAYS = 1 << 62  # SPIN_OK: spin whatever the call's size
 TOP_K, WEIGHTS_DTYPE = 25, 26  # experts ops (written by the client before REQ_SEQ)
 WIRE_DTYPES = tuple(DTYPES.values())  # WEIGHTS_DTYPE indexes this
 HEADER_BYTES = 256
