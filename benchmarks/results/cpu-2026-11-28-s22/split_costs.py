@@ -35,16 +35,28 @@ def split_in_two(x, w):
 
 w, x = torch.randn(768, 768), torch.randn(64, 768)
 print(f"[64, 768] x [768, 768]ᵀ whole:            {us(lambda: onednn_linear(x, w, None)):8.0f} µs")
-print(f"  its first 384 weight rows (contiguous):  {us(lambda: onednn_linear(x, w[:384], None)):8.0f} µs")
-print(f"  grad_y W whole (W's transposed view):    {us(lambda: onednn_linear(x, w.t(), None)):8.0f} µs")
-print(f"  its first 384 columns (strided view):    {us(lambda: onednn_linear(x, w[:, :384].t(), None), 3):8.0f} µs")
-print(f"  the same columns, copied contiguous:     {us(lambda: onednn_linear(x, w[:, :384].t().contiguous(), None)):8.0f} µs")
-print(f"  32 of its 64 rows:                       {us(lambda: onednn_linear(x[:32], w.t(), None)):8.0f} µs")
+print(
+    f"  its first 384 weight rows (contiguous):  {us(lambda: onednn_linear(x, w[:384], None)):8.0f} µs"
+)
+print(
+    f"  grad_y W whole (W's transposed view):    {us(lambda: onednn_linear(x, w.t(), None)):8.0f} µs"
+)
+print(
+    f"  its first 384 columns (strided view):    {us(lambda: onednn_linear(x, w[:, :384].t(), None), 3):8.0f} µs"
+)
+print(
+    f"  the same columns, copied contiguous:     {us(lambda: onednn_linear(x, w[:, :384].t().contiguous(), None)):8.0f} µs"
+)
+print(
+    f"  32 of its 64 rows:                       {us(lambda: onednn_linear(x[:32], w.t(), None)):8.0f} µs"
+)
 print(f"thread-pool round trip (submit, result):   {us(lambda: pool.submit(int).result()):8.0f} µs")
 for out in (768, 2304, 6144):
     w = torch.randn(out, 768)
-    whole = us(lambda: onednn_linear(x, w, None))
-    split = us(lambda: split_in_two(x, w))
-    half = us(lambda: onednn_linear(x, w[: out // 2], None))
-    print(f"[64, 768] x [768, {out}]: whole {whole:6.0f} µs, split in two {split:6.0f} µs "
-          f"(one half alone {half:6.0f} µs): {whole / split:.2f}x")
+    whole = us(lambda w=w: onednn_linear(x, w, None))
+    split = us(lambda w=w: split_in_two(x, w))
+    half = us(lambda w=w, out=out: onednn_linear(x, w[: out // 2], None))
+    print(
+        f"[64, 768] x [768, {out}]: whole {whole:6.0f} µs, split in two {split:6.0f} µs "
+        f"(one half alone {half:6.0f} µs): {whole / split:.2f}x"
+    )
