@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from symbiont.serve import EngineConfig
 from symbiont.serve.config import ServerConfig
 from symbiont.serve.http.server import BackgroundServer, load_engine
+from symbiont.serve.scheduler import QueueFull
 from tests.test_serve_common import Reference, add_char_tokenizer, make_adapters
 
 ENGINE = EngineConfig(max_running=8, max_batched_tokens=24, block_size=4, num_blocks=256)
@@ -263,12 +264,16 @@ def test_metrics_in_prometheus_format(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
+def _full_queue(seqs):
+    raise QueueFull("the request queue is full (2 waiting, max_queue=2); retry later")
+
+
 def test_loading_api_key_and_full_queue(model_dir):
     config = ServerConfig(
         model=str(model_dir),
         port=0,
         api_key="s3cret",
-        engine=EngineConfig(max_queue=0, block_size=4, num_blocks=64),
+        engine=EngineConfig(max_queue=2, block_size=4, num_blocks=64),
     )
     with BackgroundServer(config, wait_ready=False) as server:
         assert httpx.get(f"{server.url}/health").status_code == 503
@@ -283,14 +288,30 @@ def test_loading_api_key_and_full_queue(model_dir):
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 401
+        for given, status in (("bearer s3cret", 200), ("s3cret", 401), ("Basic s3cret", 401)):
+            answer = httpx.get(f"{server.url}/v1/models", headers={"Authorization": given})
+            assert answer.status_code == status, given  # the scheme's case does not matter
         for route, payload in (("tokenize", {"prompt": "x"}), ("detokenize", {"tokens": [5]})):
             assert httpx.post(f"{server.url}/{route}", json=payload).status_code == 401, route
         wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
-        with pytest.raises(openai.RateLimitError):  # max_queue=0: every request is refused
-            right.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+        # more sequences than the queue ever holds: 400 naming what to lower, not a 429
+        # ("retry later") that would never succeed
+        for prompt, n, param in (("x", 3, "n"), (["x", "y", "z"], 1, "prompt")):
+            with pytest.raises(openai.BadRequestError) as err:
+                right.completions.create(model="tiny-llama", prompt=prompt, n=n, max_tokens=2)
+            assert err.value.body["param"] == param
+            assert "--max-queue 2" in err.value.body["message"]
+        scheduler = server.state.ready().engine.scheduler
+        scheduler.add = _full_queue  # as if two requests waited
+        try:
+            with pytest.raises(openai.RateLimitError, match="queue is full"):
+                right.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+        finally:
+            del scheduler.add
+        assert right.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices
 
 
 def test_extreme_sampling_parameters_are_safe_and_bad_ones_named(server, client, expected):
@@ -333,3 +354,110 @@ def test_requests_total_counts_http_requests_streamed_or_not(server, client):
     ):
         pass
     assert ok() == before + 2
+
+
+def test_stop_token_ids_end_a_choice(client, expected, model_dir):
+    """vLLM's `stop_token_ids` was accepted and ignored (an unknown field)."""
+    greedy = expected("Once", "lora4", 12)
+    token = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(greedy[3])
+    cut = client.completions.create(
+        model="lora4",
+        prompt="Once",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [token]},
+    )
+    assert cut.choices[0].text == greedy[: greedy.index(greedy[3])]  # the stop token left out
+    assert cut.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="lora4", prompt="Once", max_tokens=2, extra_body={"stop_token_ids": "a"}
+        )
+    assert err.value.body["param"] == "stop_token_ids"
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("max_tokens", "5", "valid integer"),
+        ("max_tokens", True, "valid integer"),
+        ("stream", "yes", "valid boolean"),
+        ("temperature", float("nan"), "finite number"),
+        ("top_p", float("inf"), "finite number"),
+        ("prompt", [1.5, 2], "must be a string, a list of strings, a list of token ids"),
+        ("prompt", 5, "must be a string, a list of strings, a list of token ids"),
+        ("min_tokens", 3, "min_tokens is not implemented"),
+    ],
+)
+def test_fields_are_typed_strictly_and_named(server, field, value, says):
+    """'5' for max_tokens, true for 1 and 'yes' for true were read as numbers and flags;
+    NaN was refused as 'less than or equal to 2'."""
+    body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, field: value}
+    response = httpx.post(  # json.dumps writes NaN and Infinity, as some clients do
+        f"{server.url}/v1/completions",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"] and (error["param"] == field or field == "min_tokens"), error
+
+
+def test_a_body_that_is_not_json_says_so(server):
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"model=tiny-llama",
+        headers={"content-type": "text/plain"},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+def test_an_adapter_name_with_a_slash_can_be_unloaded(server, client, adapters):
+    url = f"{server.url}/v1/adapters"
+    loaded = httpx.post(url, json={"name": "org/late", "path": str(adapters["lora8_attn"])})
+    assert loaded.status_code == 200, loaded.text
+    assert client.completions.create(model="org/late", prompt="hi", max_tokens=2).choices
+    removed = httpx.delete(f"{url}/org/late")
+    assert removed.status_code == 200, removed.text
+    assert "org/late" not in {m.id for m in client.models.list().data}
+
+
+def _requests_of(server, outcome: str) -> float:
+    registry = server.state.metrics.registry
+    return registry.get_sample_value("symbiont_requests_total", {"outcome": outcome}) or 0.0
+
+
+def test_a_prompt_far_past_the_context_is_refused_from_its_head(server, client):
+    """A prompt of megabytes was tokenized whole (seconds, holding the engine process's
+    GIL) before the same refusal; refusals are now counted too."""
+    before = _requests_of(server, "refused")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-llama", prompt="hello world " * 200_000, max_tokens=1)
+    assert err.value.body["param"] == "prompt"
+    assert "longer than the model's context" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "hi " * 400_000}]
+        )
+    assert err.value.body["param"] == "messages"
+    assert _requests_of(server, "refused") == before + 2
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices
+
+
+def test_an_oversized_body_gets_413_from_an_async_client(server):
+    """An asyncio client still sending when the 413 came got a connection reset instead."""
+    limit = server.state.max_request_bytes
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        return await aclient.completions.create(
+            model="tiny-llama", prompt="a" * (limit + 1_000_000), max_tokens=1
+        )
+
+    with pytest.raises(openai.APIStatusError) as err:
+        asyncio.run(main())
+    assert err.value.status_code == 413
+    assert "--max-request-bytes" in err.value.body["message"]

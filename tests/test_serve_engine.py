@@ -271,6 +271,8 @@ def test_bad_requests_and_full_queue(setup):
     assert err.value.param == "max_tokens"
     with pytest.raises(AdapterNotFound):
         engine.add_request(Request("a", [5], "nope", GREEDY))
+    with pytest.raises(RequestError, match=r"n \(3\) is more sequences .*--max-queue 2"):
+        engine.add_request(Request("n", [5], None, SamplingParams(max_tokens=2, n=3)))
     engine.add_request(Request("q1", [5], None, GREEDY))
     engine.add_request(Request("q2", [5], None, GREEDY))
     with pytest.raises(QueueFull):

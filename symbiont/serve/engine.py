@@ -240,6 +240,12 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if params.n > self.config.max_queue:  # a 429 would tell it to retry for ever
+            raise RequestError(
+                f"n ({params.n}) is more sequences than this server queues at once "
+                f"(--max-queue {self.config.max_queue}); lower n",
+                "n",
+            )
         virtual = self.virtual_count(request.adapter)  # prompt/prefix tuning positions
         total = len(prompt) + params.max_tokens + virtual
         if total > self.max_model_len:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -95,6 +96,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.serve = state
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(CountRefused, metrics=state.metrics)
     _install_auth(app, state)  # outermost: no body is read for an unauthenticated request
 
     @app.get("/health")
@@ -128,7 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.loaded_by[body.name] = tenant_of(http)
         return card
 
-    @app.delete("/v1/adapters/{name}")
+    @app.delete("/v1/adapters/{name:path}")  # names may hold '/' (org/adapter)
     async def unload_adapter(name: str, http: Request):
         engine, cache = state.ready(), _cache(state)
         loaded = name in engine.engine.adapters.names()
@@ -220,6 +222,7 @@ async def _serve(
     """`texts`: the prompts as text, shown before the completion with `echo`."""
     engine = state.ready()
     adapter = _adapter_of(state, body.model)
+    _check_fits_queue(engine, len(prompts), body.n)
     relay_id = http.headers.get(RELAY_HEADER) if state.relay is not None else None
     if relay_id is not None and not valid_relay_id(relay_id):
         raise APIError(400, f"malformed {RELAY_HEADER} header", "invalid_request_error")
@@ -251,6 +254,42 @@ async def _serve(
         events = sse_events(engine, streams, view, include_usage, count)
         return StreamingResponse(events, media_type="text/event-stream")
     return await complete_response(engine, streams, view, http, count)
+
+
+def _check_fits_queue(engine: AsyncEngine, prompts: int, n: int) -> None:
+    """400 for a request of more sequences than the queue holds: a 429 ("retry later")
+    could never succeed."""
+    limit = engine.engine.config.max_queue
+    if prompts * n > limit:
+        what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        raise APIError(
+            400,
+            f"{what} asks for {prompts * n} sequences, more than this server queues at once "
+            f"(--max-queue {limit}); send fewer prompts per request or lower n",
+            *_invalid("prompt" if prompts > 1 else "n"),
+        )
+
+
+class CountRefused:
+    """ASGI middleware: a completion refused with a 4xx (bad input, unknown model, full
+    queue, too large) counts as a request of outcome "refused"; the others are counted
+    where they end ("ok", "error", "disconnected": 499)."""
+
+    ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.ROUTES:
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 499:
+                self.metrics.requests.labels("refused").inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def _counter(metrics: ServeMetrics):
@@ -316,6 +355,7 @@ def _sampling(
         seed=body.seed,
         n=body.n,
         stop=body.stops(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -473,7 +513,32 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[lis
         prompt = [prompt]  # one prompt, as text or token ids
     if not prompt:
         raise APIError(400, "prompt is empty", *_invalid("prompt"))
-    return [p if isinstance(p, list) else _tokenizer(state)(p).input_ids for p in prompt]
+    context = state.ready().engine.max_model_len
+    return [p if isinstance(p, list) else _ids(_tokenizer(state), p, context) for p in prompt]
+
+
+def _ids(tokenizer, text: str, context: int, special: bool = True, param: str = "prompt"):
+    """`text`'s token ids, refused (400 naming `param`) if a prefix of it is already past
+    the context: a prompt of megabytes otherwise held the tokenizer, and with it the
+    GIL of the engine's process, for seconds before the same refusal."""
+    limit = 2 * _longest_token(tokenizer) * (context + 1)  # chars of > 2 x context tokens
+    if len(text) > limit:
+        head = tokenizer(text[:limit], add_special_tokens=special, verbose=False).input_ids
+        if len(head) > context + 8:  # (a cut word can tokenize into a few more pieces)
+            raise APIError(
+                400,
+                f"{param}: longer than the model's context of {context} tokens (its first "
+                f"{limit} characters alone are {len(head)} tokens); shorten the {param}",
+                *_invalid(param),
+            )
+    return tokenizer(text, add_special_tokens=special, verbose=False).input_ids
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_token(tokenizer) -> int:
+    """Characters of the vocabulary's longest token (as the vocabulary spells it: for a
+    byte-level BPE its bytes), which bounds the characters one token covers."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
 
 
 def _completion_texts(state: ServerState, body: CompletionRequest) -> list[str]:
@@ -486,11 +551,16 @@ def _completion_texts(state: ServerState, body: CompletionRequest) -> list[str]:
 
 
 def _chat_prompt(state: ServerState, body: ChatRequest) -> list[int]:
-    return _chat_ids(_tokenizer(state), body.messages, add_generation_prompt=True)
+    context = state.ready().engine.max_model_len
+    return _chat_ids(_tokenizer(state), body.messages, add_generation_prompt=True, context=context)
 
 
 def _chat_ids(
-    tokenizer, messages, add_generation_prompt: bool, add_special_tokens: bool = False
+    tokenizer,
+    messages,
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
+    context: int | None = None,
 ) -> list[int]:
     """Token ids of a chat through the tokenizer's template (else `role: content` lines)."""
     messages = [{"role": m.role, "content": m.text()} for m in messages]
@@ -508,7 +578,9 @@ def _chat_ids(
             f"this model's chat template refuses these messages: {err.message}",
             *_invalid("messages"),
         ) from None
-    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    if context is not None:
+        return _ids(tokenizer, text, context, add_special_tokens, param="messages")
+    return tokenizer(text, add_special_tokens=add_special_tokens, verbose=False).input_ids
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
@@ -528,7 +600,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         ids = _chat_ids(tokenizer, body.messages, body.add_generation_prompt, special)
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = tokenizer(body.prompt, add_special_tokens=special).input_ids
+        ids = tokenizer(body.prompt, add_special_tokens=special, verbose=False).input_ids
     out = {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -573,7 +645,15 @@ def _install_error_handlers(app: FastAPI) -> None:
             return APIError(400, message, "invalid_request_error").response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc else None
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            message = (
+                "the body must be one JSON object of the request's fields, sent with "
+                "Content-Type: application/json"
+            )
+        elif param in ONE_OF and _in_union(err.errors(), param):
+            message = f"{param}: must be {ONE_OF[param]}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return APIError(400, message, "invalid_request_error", param).response()
 
     @app.exception_handler(RequestError)
@@ -621,6 +701,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.exception("request failed")
         message = f"internal error ({type(err).__name__}); see the server log"
         return APIError(500, message, "internal_error").response()
+
+
+# Fields of several types: pydantic names each type it tried ("prompt.str: Input should
+# be a valid string" for a list of floats); the 400 names them all instead.
+ONE_OF = {
+    "prompt": "a string, a list of strings, a list of token ids (integers) or a list of "
+    "token-id lists",
+    "stop": "a string or a list of strings",
+}
+
+
+def _in_union(errors, param: str) -> bool:
+    """Whether pydantic's errors for `param` are its tries of each type of a union."""
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    return any(
+        len(loc) > 1 and loc[0] == param and loc[1].startswith(("str", "list[")) for loc in locs
+    )
 
 
 def _check_text(body: BaseModel) -> None:
@@ -702,13 +799,15 @@ def _needs_key(path: str) -> bool:
 def _install_auth(app: FastAPI, state: ServerState) -> None:
     if not state.api_key:
         return
-    expected = f"Bearer {state.api_key}".encode()
+    expected = state.api_key.encode()
 
     @app.middleware("http")
     async def require_key(request: Request, call_next):
-        # Headers arrive as latin-1 text; compared as bytes, in constant time.
-        given = request.headers.get("authorization", "").encode("latin-1")
-        if _needs_key(request.url.path) and not hmac.compare_digest(given, expected):
+        # Headers arrive as latin-1 text; the key is compared as bytes, in constant time,
+        # and the scheme without case (RFC 7235), as the --tenants gate does.
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        right = hmac.compare_digest(key.strip().encode("latin-1"), expected)
+        if _needs_key(request.url.path) and not (right and scheme.lower() == "bearer"):
             return APIError(
                 401,
                 "missing or wrong API key; send `Authorization: Bearer <key>`",

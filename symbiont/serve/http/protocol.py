@@ -11,9 +11,17 @@ from symbiont.decoding import MAX_LOGPROBS
 
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 1000  # characters per stop string
+MAX_STOP_TOKENS = 256  # stop token ids per request
+
+# Strict: "5" for an integer, true for 1 or "yes" for true are refused naming the field, as
+# OpenAI's API refuses them, not read as something the client may not have meant; NaN and
+# infinities are refused as "not a finite number".
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -32,11 +40,22 @@ UNSUPPORTED = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    # vLLM's extensions
+    "min_tokens": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "include_stop_str_in_output": (None, False),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked by `_nothing_unsupported`, then unused
+    # extra fields: checked by `_nothing_unsupported`, then unused
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -49,6 +68,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+    # vLLM extension: generation also stops after any of these tokens (it is kept)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKENS)
 
     @model_validator(mode="after")
     def _nothing_unsupported(self):
@@ -87,12 +108,14 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
@@ -119,7 +142,7 @@ class ChatRequest(_Request):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: `prompt` (text) or `messages` (through the chat template)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
     model: str | None = None  # any served name (they share one tokenizer); default the base
     prompt: str | None = None
@@ -130,13 +153,15 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
     model: str | None = None
     tokens: list[int]
 
 
 class AdapterLoad(BaseModel):
+    model_config = STRICT
+
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$")
     path: str = Field(min_length=1)
 

@@ -240,7 +240,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 async def sse_events(engine, streams, view: View, include_usage: bool, count) -> AsyncIterator[str]:
     """The SSE events of a streamed request; `engine` has `abort(request_id)`, and
     `count(outcome)` counts how the HTTP request ended."""
-    offsets, totals, prompt_logprobs = {}, {}, {}
+    offsets, totals, prompt_logprobs, finished = {}, {}, {}, {}
     outcome = "disconnected"  # counted once per HTTP request, as for non-streamed ones
     try:
         async for i, output in merged(streams):
@@ -261,6 +261,8 @@ async def sse_events(engine, streams, view: View, include_usage: bool, count) ->
                         i, text, tokens, entries, prompt_logprobs.get(i)
                     )
                 logprobs, offsets[index] = view.logprobs(tokens, entries, offsets.get(index, 0))
+                if delta.finish_reason is not None:
+                    finished[index] = _finish(delta.finish_reason)
                 choices.append(
                     view.delta_choice(index, text, _finish(delta.finish_reason), first, logprobs)
                 )
@@ -270,6 +272,13 @@ async def sse_events(engine, streams, view: View, include_usage: bool, count) ->
                 totals[i] = (output.prompt_tokens, output.completion_tokens)
         else:
             outcome = "ok"
+        if outcome == "ok" and _cut_by_shutdown(engine, finished, len(streams) * view.n):
+            # the server stopped under it: an error event, not a [DONE] that would make
+            # the text so far look like the whole answer
+            outcome = "error"
+            body = error_body(engine._why_stopped(), "service_unavailable", code="shutting_down")
+            yield _event(body)
+            return
         if include_usage:
             prompt, completion = (
                 (sum(t) for t in zip(*totals.values(), strict=True)) if totals else (0, 0)
@@ -280,6 +289,12 @@ async def sse_events(engine, streams, view: View, include_usage: bool, count) ->
         count(outcome)
         for stream in streams:
             engine.abort(stream.request_id)
+
+
+def _cut_by_shutdown(engine, finished: dict[int, str], choices: int) -> bool:
+    """Whether some choice of a stream that ended was cut off by the server stopping."""
+    cut = len(finished) < choices or "abort" in finished.values()
+    return cut and not engine.alive
 
 
 async def complete_response(engine, streams, view: View, http: Request, count) -> dict:
@@ -361,9 +376,15 @@ def _event(payload: dict) -> str:
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413 before it is read.
 
-    A declared Content-Length over the limit is refused at once; otherwise the body is
-    read chunk by chunk (so chunked uploads count too) and refused as soon as it passes
-    the limit, then replayed to the app. At most `max_bytes` are ever held."""
+    A declared Content-Length over the limit is refused without keeping the body;
+    otherwise the body is read chunk by chunk (so chunked uploads count too) and refused
+    as soon as it passes the limit, then replayed to the app. At most `max_bytes` are ever
+    held. A body at most twice the limit is read to its end and dropped before the
+    refusal (for at most `DRAIN_S`): closing a connection with unread bytes resets it, and
+    a client still sending (asyncio clients do) then got a connection error instead of
+    the 413. Larger bodies are refused at once, unread."""
+
+    DRAIN_S = 5.0
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -373,7 +394,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._refuse(scope, receive, send)
+            drain = declared.isdigit() and int(declared) <= 2 * self.max_bytes
+            return await self._refuse(scope, receive, send, more=drain)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -381,7 +403,8 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
+                more = message.get("more_body", False)
+                return await self._refuse(scope, receive, send, more, read=size)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -396,7 +419,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, more: bool, read: int = 0
+    ) -> None:
+        if more and not await self._drained(receive, 2 * self.max_bytes - read):
+            return  # the client left
         message = (
             f"the request body is larger than this server accepts ({self.max_bytes} bytes); "
             "send a smaller one, or start the server with a larger --max-request-bytes"
@@ -405,6 +432,21 @@ class BodyLimit:
         response = response.response()
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+    async def _drained(self, receive: Receive, at_most: int) -> bool:
+        """Read and drop the rest of a refused body, up to `at_most` bytes; False if the
+        client left."""
+        dropped = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.DRAIN_S):
+                while dropped < at_most:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return False
+                    dropped += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        return True
 
 
 def warm_imports_at_startup(app) -> None:

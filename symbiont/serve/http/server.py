@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,7 @@ def load_engine(
         dtype=config.dtype,
     )
     for name, path in config.adapters:
+        path = os.path.abspath(path)  # as /v1/models shows it (folder adapters' are absolute)
         engine.load_adapter(name, path)
         log.info("adapter %s loaded from %s", name, path)
     for name, path, *mode in config.deltas:  # mode: exact or merged, if given
