@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,23 @@ from symbiont.tenant import open_executor, set_threads
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this, then are cancelled
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError naming the address when another process listens on it (as uvicorn
+    binds: SO_REUSEADDR, so a port in TIME_WAIT passes). Port 0 picks a free one."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({err.strerror or err}); choose another "
+                "--port, or stop what listens there"
+            ) from None
 
 
 def load_engine(
@@ -138,6 +156,7 @@ class BackgroundServer:
 
 def run(config: ServerConfig) -> int:
     """Serve until interrupted (the `symbiont serve` command)."""
+    _check_port_free(config.host, config.port)  # before minutes of loading, in one line
     # the whole process's setting: never in tests' threads
     set_threads(config.threads, (config.executor, config.second_executor))
     state = server_state(config)
