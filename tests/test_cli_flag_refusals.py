@@ -104,7 +104,11 @@ def test_finetune_out_that_is_a_file_is_refused_before_loading(capsys, tmp_path)
 
 @pytest.mark.parametrize(
     "url, message",
-    [("tcp://127.0.0.1", "has no port: write tcp://HOST:PORT"), ("ipc://", "has no path")],
+    [
+        ("tcp://127.0.0.1", "has no port: write tcp://HOST:PORT"),
+        ("ipc://", "has no path"),
+        ("tcp://127.0.0.1:99999", "the port must be 1-65535"),  # ZeroMQ wrapped it
+    ],
 )
 def test_an_executor_url_without_port_or_path_is_refused_by_name(capsys, url, message):
     """serve-base --bind tcp://127.0.0.1 said only ZeroMQ's 'Invalid argument'."""

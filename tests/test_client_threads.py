@@ -72,3 +72,39 @@ def test_generate_through_a_local_serve_base_leaves_it_a_core(
         assert main([*argv, "--executor", base.url("tcp")]) == 0
     assert seen == [1]
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "cores, workers, device, expected",
+    [(2, 1, "cpu", 1), (1, 1, "cpu", 1), (8, 1, "cpu", 7), (8, 2, "cpu", 3), (2, 2, "cpu", 1)]
+    + [(8, 1, "cuda", None)],
+)
+def test_serve_base_leaves_clients_a_core_by_default(monkeypatch, cores, workers, device, expected):
+    """The other half of the rule: a serve-base took every core, its OpenMP threads spun
+    after each product on the one a same-host client needed, and a lone fine-tuning
+    client ran 3-20x slower than beside `--threads 1` (BENCHMARKS.md, session 23)."""
+    from symbiont.base import main as base_main
+
+    monkeypatch.setattr(base_main.os, "sched_getaffinity", lambda _: set(range(cores)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert base_main._default_threads(device, workers) == expected
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own choice stays torch's
+    assert base_main._default_threads(device, workers) is None
+
+
+def test_serve_base_says_its_threads_and_warns_when_a_local_client_gets_no_core(
+    model_dir, monkeypatch
+):
+    from symbiont.cli import main
+    from symbiont.processes import ServerProcess
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(__import__("os").sched_getaffinity(0))
+    with ServerProcess(model_dir, bind=("tcp://127.0.0.1:*",)) as base:
+        pass
+    assert f"products on {max(1, cores - 1)} thread" in base.log_text()
+    assert "a core left to clients" in base.log_text()
+    with ServerProcess(model_dir, bind=("tcp://127.0.0.1:*",), args=("--threads", cores)) as base:
+        argv = ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"]
+        assert main([*argv, "--executor", base.url("tcp"), "--threads", "1"]) == 0
+    assert f"the products take all {cores} cores (--threads {cores})" in base.log_text()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from symbiont import BaseExecutor, load_client
-from symbiont.protocol.executor import Executor
+from symbiont.protocol.executor import Executor, ExecutorUnavailable
 from symbiont.serve import (
     AdapterError,
     AdapterNotFound,
@@ -316,3 +316,30 @@ def test_other_architectures(arch, checkpoints, tmp_path):
     names = [None, "lora", "ia3", "lora", "ia3"]
     for p, name, got in zip(batch, names, engine.generate(batch, names, GREEDY), strict=True):
         assert got == reference.generate(p, name, GREEDY.max_tokens), f"{arch} {name}"
+
+
+def test_a_lost_executor_fails_the_iteration_in_one_log_line(setup, monkeypatch, caplog):
+    """`symbiont serve --executor` logged some 40 lines of traceback per iteration while
+    its serve-base was down; the executor's message already says what happened."""
+    base, _, reference = setup
+    engine = engine_for(base)
+    real = engine.runner.run
+
+    def lost(scheduled):
+        monkeypatch.setattr(engine.runner, "run", real)  # back once serve-base is
+        raise ExecutorUnavailable("lost the base executor at tcp://127.0.0.1:7100: ...")
+
+    monkeypatch.setattr(engine.runner, "run", lost)
+    prompt = prompts(1, seed=2)[0]
+    failed = Request("f", prompt, None, GREEDY)
+    engine.add_request(failed)
+    with caplog.at_level("ERROR", logger="symbiont.serve.engine"):
+        outputs = engine.step()
+    assert [o.error for o in outputs] == [
+        "iteration failed: lost the base executor at tcp://127.0.0.1:7100: ..."
+    ]
+    assert [r.exc_info for r in caplog.records] == [None], "a traceback was logged"
+    engine.add_request(again := Request("g", prompt, None, GREEDY))
+    while engine.has_work():
+        engine.step()
+    assert again.sequences[0].output_ids == reference.generate(prompt, None, 10)

@@ -325,6 +325,8 @@ def test_stats_report_clients_and_layers(served):
     first = served.executor.manifest.layers[0].name
     assert stats["layers"][first]["tokens"] >= 5
     assert {"tokens_per_s", "uptime_s", "policy", "total"} <= stats.keys()
+    assert stats["policy"]["kind"] == served.config.policy.kind.value
+    assert stats["policy"]["max_wait_s"] == served.config.policy.max_wait_s  # a number
     assert first in render(stats)
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import symbiont
 from symbiont.model.default import default_dataset
+from symbiont.protocol.executor import ExecutorUnavailable
 from symbiont.tenant import load_tokenizer
 from symbiont.train import (
     AdapterFlags,
@@ -93,6 +94,34 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(
         for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3, 4, 5, 6], "metrics must not repeat or skip steps across a resume"
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, ExecutorUnavailable])
+def test_a_step_cut_by_ctrl_c_or_a_lost_executor_saves_the_run_before_it(
+    model_dir, executor, examples, tmp_path, stop, caplog
+):
+    """Ctrl-C, or a serve-base gone, in the middle of a step lost every step since the
+    last --save-every (all of them with the default 0). The run is now saved as it was
+    after the last whole step (RNG included), and resuming it is exact."""
+    full = run(client(model_dir, executor), examples, tmp_path / "full")
+    model = client(model_dir, executor)
+    calls = []
+
+    def cut_in_step_4(*_):  # micro-batches 6 and 7 make step 4: stop in the second
+        calls.append(1)
+        if len(calls) == 8:
+            raise stop("cut")
+
+    model.register_forward_pre_hook(cut_in_step_4)
+    with caplog.at_level("INFO", logger="symbiont.train.loop"), pytest.raises(stop):
+        run(model, examples, tmp_path / "cut")
+    assert latest_checkpoint(tmp_path / "cut").name == "checkpoint-000003"
+    assert "stopped after step 3 of 6" in caplog.text and "--resume" in caplog.text
+    run(client(model_dir, executor, seed=99), examples, tmp_path / "cut", resume=True)
+    want, got = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name} differs after resume"
+    assert full.steps == 6
 
 
 def test_resume_refuses_changed_settings(model_dir, executor, examples, tmp_path):

@@ -203,8 +203,8 @@ parse_cpus.__name__ = "core list"  # argparse: "invalid core list value: ..."
 class BaseProcessConfig:
     """What the `serve-base` process loads and where it runs (its service is `ServiceConfig`).
 
-    threads: torch threads for the matmuls (default: one per core of `cpus`, else torch's
-    choice). ready_file and parent_pid serve supervisors (`symbiont.processes`).
+    threads: torch threads of each worker for the matmuls (default: one per core of
+    `cpus`, else on a CPU the cores but one divided among the workers: symbiont/base/main.py). ready_file and parent_pid serve supervisors (`symbiont.processes`).
     """
 
     model: str = field(metadata={"help": "local checkpoint folder of the base", "metavar": "DIR"})
@@ -215,7 +215,9 @@ class BaseProcessConfig:
     threads: int | None = field(
         default=None,
         metadata={
-            "help": "torch threads for the matmuls (default: one per core in --cpus, else "
+            "help": "torch threads of each worker for the matmuls (default: one per core in "
+            "--cpus; else on a CPU the cores but one, divided among --workers, so a client "
+            "on this host keeps a core (OMP_NUM_THREADS, if set, decides instead); on a GPU, "
             "torch's choice)"
         },
     )

@@ -32,8 +32,9 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     _allow_files(4 * config.max_sessions + 256)
     if process.cpus:
         _pin(process.cpus)
-    if process.num_threads:
-        torch.set_num_threads(process.num_threads)
+    threads = process.num_threads or _default_threads(process.device, config.workers)
+    if threads:
+        torch.set_num_threads(threads)
     executor = load(model, device=process.device, dtype=process.dtype)
     if process.matmul == "onednn":
         from symbiont.base.onednn import OneDnnExecutor
@@ -57,7 +58,7 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.stop())
     log.info(
-        "serving %s (%d layers, %s, %s products%s, fingerprint %s) on %s, policy %s%s",
+        "serving %s (%d layers, %s, %s products%s on %s, fingerprint %s) on %s, policy %s%s",
         model,
         len(executor.manifest.layers),
         executor.manifest.dtype,
@@ -65,6 +66,7 @@ def serve(process: BaseProcessConfig, config: ServiceConfig, model: str) -> int:
         ""
         if executor.few_rows is None
         else f" (under {FEW_ROWS_MAX} rows: symbiont's few-rows kernel)",
+        _threads_text(torch.get_num_threads(), config.workers, process),
         executor.manifest.fingerprint,
         ", ".join(endpoints),
         config.policy.kind,
@@ -95,6 +97,27 @@ def _hint_mps(device) -> None:
         log.info("NVIDIA MPS is running: clients on %s share its context with this one", device)
     else:
         log.info("clients that compute on %s too: %s", device, gpu_areas.MPS_HINT)
+
+
+def _default_threads(device: str, workers: int) -> int | None:
+    """Torch threads of each worker when --threads is not given: on a CPU, the cores but
+    one, divided among the workers, so a client on this host keeps a core of its own (as
+    a client leaves one to serve-base: symbiont/tenant.py). Every core had OpenMP threads
+    that spin after each product, and a lone fine-tuning client beside them ran 3x
+    (98M model) to 20x (the default model) slower than with --threads 1 on two cores.
+    None (torch's choice) on a GPU, or where OMP_NUM_THREADS says."""
+    if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, ((cores or 1) - 1) // workers)
+
+
+def _threads_text(threads: int, workers: int, process: BaseProcessConfig) -> str:
+    why = "" if process.num_threads or process.device != "cpu" else ", a core left to clients"
+    each = f"{threads} thread{'s' if threads > 1 else ''}"
+    if workers == 1:
+        return each + why
+    return f"{workers} workers of {each}{why}"
 
 
 def _allow_files(wanted: int) -> None:

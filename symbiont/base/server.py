@@ -119,6 +119,7 @@ class ExecutorServer:
         self._spin_s = config.spin_us * 1e-6 if shm.SPIN_SAFE else 0.0
         self._spin_ok = True
         self._on_cpu = executor.device.type == "cpu"
+        self._crowd_warned = False  # `_warn_if_crowding`
         # Clients on this GPU get their segment's areas here (CUDA IPC): matched by UUID.
         self._gpu = executor.device if executor.device.type == "cuda" else None
         self._gpu_uuid = gpu_areas.uuid_of(executor.device) if self._gpu is not None else None
@@ -325,7 +326,7 @@ class ExecutorServer:
         if type(message) is Hello:
             return self._hello(key, message, frames)
         if type(message) is Stats:
-            return self._stats(key, message)
+            return self._stats(key, message, frames)
         session = self.sessions.get(key)
         if session is None:
             if type(message) in (Bye, Ring):
@@ -362,12 +363,14 @@ class ExecutorServer:
             self._forget(self.sessions[key])
         if len(self.sessions) >= self.config.max_sessions:
             log.warning(
-                "refused a client from %s: %d sessions open", peer, self.config.max_sessions
+                "refused a client from %s: %d session(s) open (--max-sessions)",
+                peer,
+                self.config.max_sessions,
             )
             raise ProtocolError(
                 Code.REFUSED,
-                f"this executor serves at most {self.config.max_sessions} clients at once and has that "
-                "many: retry later, or start another serve-base",
+                f"this executor serves at most {self.config.max_sessions} client(s) at once "
+                "(--max-sessions) and has that many: retry later, or start another serve-base",
             )
         now = time.monotonic()
         session = Session(
@@ -382,6 +385,7 @@ class ExecutorServer:
         self.sessions[key] = session
         self._fit_to_sessions()
         log.info("client %s connected (pid %d on %s)", session.label, session.pid, session.host)
+        self._warn_if_crowding(session)
         welcome = Welcome(
             call_id=hello.call_id,
             manifest=self._welcome,
@@ -403,8 +407,8 @@ class ExecutorServer:
                 "$SYMBIONT_TOKEN; Python: symbiont.connect(url, token=...))",
             )
 
-    def _stats(self, key: bytes, request: Stats) -> None:
-        self._check_token(request.token, "stats request")
+    def _stats(self, key: bytes, request: Stats, frames: list) -> None:
+        self._check_token(request.token, f"{_peer(frames[1])} (a stats request)")
         clients = [
             {
                 "label": s.label,
@@ -417,7 +421,11 @@ class ExecutorServer:
             }
             for s in self.sessions.values()
         ]
-        policy = {k: str(v) for k, v in self.config.policy.__dict__.items()}
+        # numbers stay numbers (`stats --json`); the kind, an enum, as its name
+        policy = {
+            k: v if isinstance(v, int | float) else str(v)
+            for k, v in self.config.policy.__dict__.items()
+        }
         stats = self.stats.snapshot(clients, policy)
         self._send(key, encode(StatsReply(call_id=request.call_id, stats=stats)))
 
@@ -985,6 +993,27 @@ class ExecutorServer:
         # the workers compute side by side (BENCHMARKS.md, issue 17, session 8).
         self.scheduler.merge = not (
             self._pool is not None and self._on_cpu and len(self.sessions) <= self.config.workers
+        )
+
+    def _warn_if_crowding(self, session: Session) -> None:
+        """Once: a client on this host while the products take every core. OpenMP's
+        threads spin after each product on the core the client needs, and its steps ran
+        3-20x slower on two cores (symbiont/base/main.py, `_default_threads`)."""
+        if self._crowd_warned or not self._on_cpu or session.host != self._host:
+            return
+        if session.pid == os.getpid():  # a client thread of this process shares its threads
+            return
+        if self._threads < self._cores:
+            return
+        self._crowd_warned = True
+        log.warning(
+            "client %s runs on this host, and the products take all %d cores (--threads %d): "
+            "its steps may run many times slower; leave it a core (--threads %d, or no "
+            "--threads)",
+            session.label,
+            self._cores,
+            self._threads,
+            max(1, self._cores - 1),
         )
 
     def _update_spin(self) -> None:

@@ -283,7 +283,7 @@ class RemoteExecutor(Executor):
                 f"{len(what)} tries, each after the first on a new connection ({', '.join(what)}"
                 f"; a reconnect waits connect_timeout_s={cfg.connect_timeout_s:g} s). It has "
                 "exited or restarts: start `symbiont serve-base` at that URL again and retry "
-                "(calls are stateless; nothing is lost)"
+                "(the executor keeps nothing of its clients between calls)"
             )
         return (
             f"no answer from the base executor at {url}: {what.count(TIMED_OUT)} of "

@@ -20,6 +20,10 @@ def check_url(url: str) -> None:
             f"executor URL {url!r} has no port: write tcp://HOST:PORT (tcp://HOST:* to "
             "listen on a free one)"
         )
+    port = url.rpartition(":")[2]
+    if url.startswith("tcp://") and port != "*" and int(port) > 65535:
+        # (ZeroMQ took 99999 as 99999 - 65536 = 34463, and said so nowhere)
+        raise ValueError(f"executor URL {url!r}: the port must be 1-65535 (or * for a free one)")
     if url == "ipc://" or url.startswith("ipc://") and not url.removeprefix("ipc://"):
         raise ValueError(f"executor URL {url!r} has no path: write ipc:///path/to/socket")
 

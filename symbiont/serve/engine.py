@@ -40,6 +40,7 @@ from symbiont.decoding import (
     sample,
     token_logprobs,
 )
+from symbiont.protocol.executor import ExecutorUnavailable
 from symbiont.serve.adapter_cache import AdapterCache
 from symbiont.serve.adapters import AdapterError, AdapterRegistry, AdapterWeights
 from symbiont.serve.config import EngineConfig
@@ -352,6 +353,9 @@ class Engine:
             )
             logprobs = _sampled_logprobs(logits.sampling, sampling, tokens)
             self._score_prompts(logits)
+        except ExecutorUnavailable as err:  # said in full by its message: no traceback
+            log.error("iteration failed: %s", err)
+            return self._fail_all({s.seq.request_id for s in scheduled}, f"iteration failed: {err}")
         except Exception as err:  # noqa: BLE001 - the batch's requests fail, the server goes on
             log.exception("iteration failed")
             return self._fail_all({s.seq.request_id for s in scheduled}, f"iteration failed: {err}")

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
+from symbiont.protocol.executor import ExecutorError
 from symbiont.train.checkpoints import (
     TrainState,
+    checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
     peft_conflicts,
@@ -115,6 +117,7 @@ class _Run:
         self.data = _fingerprint(examples)
         self.state = TrainState(step=0, tokens=0, config={**config.as_record(), "data": self.data})
         self.eval_loss: float | None = None
+        self._updating = False  # inside an optimizer step's update (`_save_before_stopping`)
 
     def start(self, resume: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +161,13 @@ class _Run:
         tokens_here, last_loss = 0, float("nan")
         while self.state.step < self.total:
             started = time.perf_counter()
-            loss, tokens = self._optimizer_step()
+            rng = _rng_states()  # as a checkpoint at this step holds it
+            try:
+                loss, tokens = self._optimizer_step()
+            except (KeyboardInterrupt, ExecutorError):
+                bar.close()
+                self._save_before_stopping(rng)
+                raise
             seconds = time.perf_counter() - started
             step = self.state.step + 1
             if not math.isfinite(loss):
@@ -190,6 +199,34 @@ class _Run:
         _write_summary(summary, result)
         return result
 
+    def _save_before_stopping(self, rng: tuple) -> None:
+        """Ctrl-C or a lost executor in the middle of a step: save the run as it was
+        after the last one (the weights and optimizer are untouched until the update, the
+        RNG as it was before the step), so that --resume loses nothing, not everything
+        since the last --save-every. Not if the update itself was cut (a step half
+        applied): the newest checkpoint stands then."""
+        step, done = self.state.step, latest_checkpoint(self.out)
+        if step == 0 or (done is not None and done.name == checkpoint_dir(self.out, step).name):
+            return
+        if self._updating:
+            log.warning("stopped during step %d's update; the newest checkpoint stands", step + 1)
+            return
+        _set_rng_states(rng)
+        try:
+            saved = save_checkpoint(
+                self.model, self.optimizer, self.scheduler, self.state, self.out, 0
+            )
+        except Exception as err:  # noqa: BLE001 - the stop's own error is what to report
+            log.error("stopped at step %d, and could not save it: %s", step, err)
+            return
+        log.info(
+            "stopped after step %d of %d: saved in %s; run the same command with --resume "
+            "to continue from there",
+            step,
+            self.total,
+            saved,
+        )
+
     def _optimizer_step(self) -> tuple[float, int]:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, tokens)."""
         accum, total_loss, tokens = self.config.grad_accum, 0.0, 0
@@ -200,11 +237,13 @@ class _Run:
             (loss / accum).backward()
             total_loss += loss.item()
             tokens += int(batch["attention_mask"].sum())
+        self._updating = True  # from here on, the weights change
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._updating = False
         return total_loss / accum, tokens
 
     def _batch(self, micro_step: int) -> list[Example]:
@@ -249,6 +288,18 @@ class _Run:
                 self.out,
                 self.config.save_total_limit,
             )
+
+
+def _rng_states() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _on_model(model, batch: dict) -> dict:
