@@ -120,6 +120,7 @@ class ExecutorServer:
         self._spin_ok = True
         self._on_cpu = executor.device.type == "cpu"
         self._crowd_warned = False  # `_warn_if_crowding`
+        self._refusals: dict[str, tuple[float, int]] = {}  # peer -> (last warned, quiet since)
         # Clients on this GPU get their segment's areas here (CUDA IPC): matched by UUID.
         self._gpu = executor.device if executor.device.type == "cuda" else None
         self._gpu_uuid = gpu_areas.uuid_of(executor.device) if self._gpu is not None else None
@@ -309,9 +310,10 @@ class ExecutorServer:
             call_id = getattr(message, "call_id", 0)
             self._dispatch(key, message, frames)
         except ProtocolError as err:
-            self.stats.errors += 1
-            if err.code is Code.REFUSED:
+            if err.code is Code.REFUSED:  # counted once: "4 refused, 4 errors" read as 8
                 self.stats.refused += 1
+            else:
+                self.stats.errors += 1
             log.debug("refused a message from %r: %s", key, err)
             if err.legacy:
                 self._send(key, legacy_error(err.call_id, err.code, str(err)))
@@ -398,7 +400,7 @@ class ExecutorServer:
     def _check_token(self, token: str | None, peer: str) -> None:
         expected = self.config.token
         if expected and not hmac.compare_digest((token or "").encode(), expected.encode()):
-            log.warning("refused a connection from %s: missing or wrong token", peer)
+            self._warn_refused(peer)
             why = "requires a token" if not token else "was started with another token"
             raise ProtocolError(
                 Code.REFUSED,
@@ -406,6 +408,20 @@ class ExecutorServer:
                 "generate, serve: --executor-token; symbiont stats: --token; any of them: "
                 "$SYMBIONT_TOKEN; Python: symbiont.connect(url, token=...))",
             )
+
+    def _warn_refused(self, peer: str) -> None:
+        """A warning per refused token, at most one a minute per peer: on an open port
+        anyone could otherwise fill the log (the rest are counted in the next one)."""
+        now = time.monotonic()
+        last, quiet = self._refusals.get(peer, (-REFUSAL_LOG_S, 0))
+        if now - last < REFUSAL_LOG_S:
+            self._refusals[peer] = (last, quiet + 1)
+            return
+        more = f" (and {quiet} more since the last warning)" if quiet else ""
+        log.warning("refused a connection from %s: missing or wrong token%s", peer, more)
+        if len(self._refusals) > 1024:  # many peers: forget them all, warn again
+            self._refusals.clear()
+        self._refusals[peer] = (now, 0)
 
     def _stats(self, key: bytes, request: Stats, frames: list) -> None:
         self._check_token(request.token, f"{_peer(frames[1])} (a stats request)")
@@ -1035,6 +1051,9 @@ class ExecutorServer:
         for s in self._shm_sessions():
             s.segment.ctrl[shm.SPIN_OK] = int(self._spin_ok)
             s.segment.ctrl[shm.SPIN_BELOW] = 2 * SPLIT_MIN_MACS if splits else 0
+
+
+REFUSAL_LOG_S = 60.0  # a peer's refused tokens are warned of at most once in this long
 
 
 def _part(run, start: int, end: int) -> torch.Tensor:

@@ -186,6 +186,8 @@ def run(config: ServerConfig) -> int:
             load_engine(config, state, engine_failed)
             log.info("serving %s on http://%s:%s", config.model_name, config.host, port)
         except Exception as err:  # noqa: BLE001 - reported, then the server stops
+            if server.should_exit:  # Ctrl-C stopped it (the API process too): no failure
+                return
             state.load_error = f"loading failed: {err}"
             log.error("%s", state.load_error)
             server.should_exit = True
