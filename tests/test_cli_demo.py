@@ -58,6 +58,9 @@ def test_demo_runs_every_tenant_and_prints_the_table(model_dir, tmp_path):
     assert verdict.startswith(f"sharing {word} "), f"verdict contradicts the totals: {verdict}"
     alone = re.findall(r"^(lora|ia3|prefix|generate) .* (\d+) MiB +(\d+) MiB$", table, re.M)
     assert len(alone) == 4, f"each client needs its PSS shared and alone:\n{table}"
+    # and its throughput both ways (only the shared run's was shown)
+    rates = re.findall(r"^(?:lora|ia3|prefix|generate) .* ([\d.]+) +([\d.]+) +\d+ MiB", table, re.M)
+    assert len(rates) == 4 and all(float(a) > 0 and float(b) > 0 for a, b in rates), table
     for method in ("lora", "ia3", "prefix"):  # each tenant left a standard PEFT adapter
         adapter = tmp_path / "demo" / method
         assert (adapter / "adapter_config.json").is_file(), f"no adapter written for {method}"

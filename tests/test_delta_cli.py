@@ -126,6 +126,12 @@ def test_cli_refusals_say_why(compressed, capsys, tmp_path, checkpoints):
         "--out", str(out), *args,
     )  # fmt: skip
     assert code == 1 and "exists and is not an empty folder" in stderr
+    assert "calibrating" not in stderr, "refused before tokenizing the calibration text"
+    code, _, stderr = run(
+        capsys, "delta", "compress", "--base", str(base), "--model", str(tmp_path / "nope"),
+        "--out", str(tmp_path / "z"), *args,
+    )  # fmt: skip
+    assert code == 1 and "does not exist" in stderr and "calibrating" not in stderr
 
     data = out / "delta.safetensors.zst"
     data.write_bytes(data.read_bytes()[:-1])

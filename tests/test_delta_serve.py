@@ -112,13 +112,18 @@ def test_pinned_deltas_beyond_max_deltas_are_refused(served):
     assert engine.adapters.names() == ["ft"]
 
 
-def test_parse_delta_mode_suffix():
+def test_parse_delta_mode_suffix(tmp_path):
     from symbiont.serve.config import parse_delta
 
     assert parse_delta("a=runs/d") == ("a", "runs/d")
     assert parse_delta("a=runs/d:merged") == ("a", "runs/d", "merged")
     assert parse_delta("a=c:/x:exact") == ("a", "c:/x", "exact")
-    assert parse_delta("a=runs/d:other") == ("a", "runs/d:other"), "not a mode: part of DIR"
+    colon = tmp_path / "d:other"
+    colon.mkdir()
+    assert parse_delta(f"a={colon}") == ("a", str(colon)), "a folder: not a mode"
+    # a typo'd mode was read as a folder, then refused as having no manifest.json
+    with pytest.raises(ValueError, match="unknown mode 'hot'; write DIR:MODE with exact or merged"):
+        parse_delta("a=runs/d:hot")
     with pytest.raises(ValueError, match="NAME=DIR"):
         parse_delta("runs/d")
     from symbiont.cli import build_parser
@@ -522,3 +527,11 @@ def test_a_delta_changing_experts_is_refused_by_name(checkpoints, tmp_path):
         engine.load_delta("ft", delta_dir, base)
     assert engine.adapters.names() == []
     assert engine.generate([[5, 6, 7]], [None], GREEDY), "the engine keeps serving"
+
+
+def test_a_delta_given_as_an_adapter_says_to_use_delta(tmp_path):
+    from symbiont.adapters.spec import AdapterError, read_adapter
+
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(AdapterError, match="is a compressed delta .* --delta NAME=DIR"):
+        read_adapter(tmp_path)

@@ -202,6 +202,8 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
     # served at once, to its tenant only, exactly as vanilla peft loads the same adapter
     assert job.fine_tuned_model in [m.id for m in alice.models.list()]
     assert job.fine_tuned_model not in [m.id for m in bob.models.list()]
+    # a tenant sees names, not the host's folders (the base's or the runs')
+    assert all(m.model_extra["root"] == m.id for m in alice.models.list())
     folder = run_dir(server, job.id)
     for prompt in ("hi 3", "hello"):
         want = reference_text(model_dir, {"ft": folder}, "ft", prompt)

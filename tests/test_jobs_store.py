@@ -207,6 +207,8 @@ def test_good_training_file():
             "'all-linear' or a non-empty list",
         ),
         ({"checkpoint_every": 0}, "checkpoint_every", ">= 1"),
+        ({"foo": 1}, "foo", "foo: unknown field; a job takes model, training_file"),
+        ({"integrations": [{"type": "wandb"}]}, "integrations", "not offered"),
     ],
 )
 def test_bad_job_requests_name_the_field(changes, param, message):

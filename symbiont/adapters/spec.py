@@ -192,6 +192,11 @@ def read_adapter(path: str | os.PathLike, *, require_weights: bool = True) -> Ad
     if path.is_dir():
         config_file = path / CONFIG_FILE
         if not config_file.is_file():
+            if (path / "manifest.json").is_file():  # symbiont/delta/format.py's MANIFEST
+                raise AdapterError(
+                    f"{path} is a compressed delta (it has manifest.json), not a PEFT "
+                    "adapter: serve it with --delta NAME=DIR"
+                )
             raise AdapterError(
                 f"{path} has no {CONFIG_FILE}, so it is not a PEFT adapter folder; {_SAVE_HINT}"
             )

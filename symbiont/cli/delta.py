@@ -127,6 +127,12 @@ def run_compress(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    # what would fail after minutes of calibration, refused first
+    from symbiont.delta.format import check_output_folder
+    from symbiont.model.checkpoint import Checkpoint
+
+    Checkpoint.open(base), Checkpoint.open(finetuned)
+    check_output_folder(Path(args.out))
     _check_positions(base, config.calib_seq_len)
     tokenizer = _tokenizer(finetuned, base)
     calibration = tokenize_calibration(

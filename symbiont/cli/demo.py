@@ -108,6 +108,7 @@ class ClientRow:
     tokens_per_s: float
     shared_pss: int | None  # peak PSS in bytes while sharing the executor
     alone_pss: int | None = None  # peak PSS as a separate job with its own weights
+    alone_tokens_per_s: float | None = None  # as a separate job
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ def run(args) -> int:
     if config.baseline:
         print("\nthe same 4 clients again as separate jobs, each with its own copy of the weights")
         alone = _run_clients(config, model_dir, None, workdir / "separate")
-        rows = [_with_alone_pss(row, job) for row, job in zip(rows, alone, strict=True)]
+        alone_rows = [_client_row(job, workdir / "separate" / job.name) for job in alone[:-1]]
+        alone_rows.append(_generate_row(alone[-1]))
+        rows = [_with_alone(row, job) for row, job in zip(rows, alone_rows, strict=True)]
     print(_answer(jobs[-1]))
     print(_table(rows, base_pss))
     print(_memory_summary(Memory(base_pss, weights, tuple(rows))))
@@ -287,9 +290,9 @@ def _generate_row(job) -> ClientRow:
     return ClientRow("generate", "none (base)", tokens, None, rate, job.peak_pss)
 
 
-def _with_alone_pss(row: ClientRow, job) -> ClientRow:
-    assert row.name == job.name, (row.name, job.name)
-    return replace(row, alone_pss=job.peak_pss)
+def _with_alone(row: ClientRow, alone: ClientRow) -> ClientRow:
+    assert row.name == alone.name, (row.name, alone.name)
+    return replace(row, alone_pss=alone.shared_pss, alone_tokens_per_s=alone.tokens_per_s)
 
 
 def _answer(job) -> str:
@@ -327,17 +330,18 @@ def _clip(text: str, limit: int = 300) -> str:
 
 def _table(rows: list[ClientRow], base_pss: int | None) -> str:
     header = (
-        f"{'client':<10}{'method':<16}{'steps':>6}{'final loss':>12}{'tokens/s':>10}"
-        f"{'peak PSS shared':>17}{'alone':>9}"
+        f"{'client':<10}{'method':<16}{'steps':>6}{'final loss':>12}{'tokens/s shared':>17}"
+        f"{'alone':>8}{'peak PSS shared':>17}{'alone':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         loss = f"{r.final_loss:.4f}" if r.final_loss is not None else "-"
+        alone = f"{r.alone_tokens_per_s:.1f}" if r.alone_tokens_per_s is not None else "-"
         lines.append(
-            f"{r.name:<10}{r.method:<16}{r.steps:>6}{loss:>12}{r.tokens_per_s:>10.1f}"
-            f"{_mib(r.shared_pss):>17}{_mib(r.alone_pss):>9}"
+            f"{r.name:<10}{r.method:<16}{r.steps:>6}{loss:>12}{r.tokens_per_s:>17.1f}"
+            f"{alone:>8}{_mib(r.shared_pss):>17}{_mib(r.alone_pss):>9}"
         )
-    lines.append(f"{'executor':<10}{'serve-base':<16}{'':>28}{_mib(base_pss):>17}{'-':>9}")
+    lines.append(f"{'executor':<10}{'serve-base':<16}{'':>43}{_mib(base_pss):>17}{'-':>9}")
     return "\n".join(lines)
 
 

@@ -250,7 +250,11 @@ class RemoteExecutor(Executor):
                 reason = str(lost) or TIMED_OUT
                 if reason == SESSION_EXPIRED and not renewed:
                     renewed = True
-                    log.info("session with %s had expired: opening a new one", self.url)
+                    log.info(
+                        "session with %s ended (it expired while idle, or the executor "
+                        "restarted): opening a new one",
+                        self.url,
+                    )
                     self._reopen()
                     continue
                 what.append(reason)

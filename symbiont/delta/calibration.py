@@ -83,5 +83,5 @@ def tokenize_calibration(
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []
     for text in read_texts(path):
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + separator
+        ids += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + separator
     return calibration_windows(ids, samples, seq_len)

@@ -176,6 +176,10 @@ def check_output_folder(out: Path) -> None:
 def read_manifest(folder: str | os.PathLike) -> dict:
     path = Path(folder).expanduser()
     file = path / MANIFEST
+    if not path.exists():
+        raise DeltaFormatError(
+            f"{path} does not exist; pass a delta folder (symbiont delta compress)"
+        )
     if not file.is_file():
         raise DeltaFormatError(
             f"{path} has no {MANIFEST}: not a delta folder written by `symbiont delta compress`"

@@ -162,6 +162,7 @@ def job_spec(body: dict, base_model: str) -> JobSpec:
     `checkpoint_every`); raises JobsError naming the first bad field."""
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object", None)
+    _known_fields(body)
     model = _required_str(body, "model")
     if model != base_model:
         raise JobsError(
@@ -186,6 +187,24 @@ def job_spec(body: dict, base_model: str) -> JobSpec:
         metadata=_metadata(body.get("metadata")),
         window_positions=_window_positions(body.get("window_positions")),
     )
+
+
+JOB_FIELDS = (
+    "model", "training_file", "validation_file", "suffix", "hyperparameters", "method",
+    "seed", "metadata", "integrations", "peft", "checkpoint_every", "window_positions",
+)  # fmt: skip
+
+
+def _known_fields(body: dict) -> None:
+    """400 for a field this server does not read (a typo was silently ignored, where a
+    nested one was refused), and for `integrations`, which it does not offer."""
+    unknown = sorted(key for key in body if key not in JOB_FIELDS)
+    if unknown:
+        raise invalid(
+            f"{unknown[0]}: unknown field; a job takes {', '.join(JOB_FIELDS)}", unknown[0]
+        )
+    if body.get("integrations"):
+        raise invalid("integrations: not offered by this server; leave it out", "integrations")
 
 
 def _required_str(body: dict, key: str) -> str:

@@ -269,6 +269,9 @@ def parse_delta(value: str) -> tuple[str, str] | tuple[str, str, str]:
     folder, colon, mode = path.rpartition(":")
     if colon and mode in tuple(DeltaMode):
         return name, folder, mode
+    if colon and folder and "/" not in mode and not Path(path).expanduser().exists():
+        modes = " or ".join(tuple(DeltaMode))
+        raise ValueError(f"--delta {value!r}: unknown mode {mode!r}; write DIR:MODE with {modes}")
     return name, path
 
 

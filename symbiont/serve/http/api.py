@@ -432,6 +432,8 @@ def _model_cards(state: ServerState) -> list[dict]:
         if card["state"] != AdapterState.FAILED and card["id"] not in loaded:
             root = str(cache.root / card["id"])
             cards.append({**base, "id": card["id"], "root": root, "parent": state.model_name})
+    if state.tenants is not None:  # tenants see names, not the host's folders
+        cards = [{**card, "root": card["id"]} for card in cards]
     return cards
 
 
