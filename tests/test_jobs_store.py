@@ -138,6 +138,10 @@ def test_file_in_use_by_an_active_job(tmp_path):
             jsonl(CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
             "line 2: no assistant turn",
         ),
+        (  # was accepted, then refused by the chat template at job creation
+            jsonl({"messages": [{"role": "wizard", "content": "hi"}, *CHAT["messages"]]}),
+            "line 1: messages[0].role 'wizard' is not one of system, developer, user",
+        ),
         (jsonl({"prompt": "a"}), "line 1: 'completion' must be a string"),
         (jsonl({"prompt": "a", "completion": ""}), "line 1: 'completion' is empty"),
         (b"\xff\xfe", "train.jsonl is not UTF-8 text"),

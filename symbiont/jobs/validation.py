@@ -103,6 +103,9 @@ def _record(line: str, where: str) -> dict:
     return record
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
 def _check_messages(messages: Any, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise invalid(f"{where}: 'messages' must be a non-empty list", "file")
@@ -114,6 +117,12 @@ def _check_messages(messages: Any, where: str) -> None:
         ):
             raise invalid(
                 f"{where}: messages[{index}] must be an object with string 'role' and 'content'",
+                "file",
+            )
+        if message["role"] not in CHAT_ROLES:  # else refused only at job creation
+            raise invalid(
+                f"{where}: messages[{index}].role {_short(message['role'])} is not one of "
+                f"{', '.join(CHAT_ROLES)}",
                 "file",
             )
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
