@@ -180,6 +180,9 @@ def test_upload_train_watch_and_serve(server, alice, bob, model_dir):
         extra={"checkpoint_every": 2},
     )
     assert job.status == "validating_files" and job.organization_id == "alice"
+    # the settings as a request writes them, with the alpha it trains with (2r): it
+    # showed `alpha: None` and `target`
+    assert job.model_extra["peft"] == {**LORA, "alpha": 8, "dropout": 0.0}
     job = wait_for(alice, job.id)
     assert job.status == "succeeded", job.error
     assert "greeter" in job.fine_tuned_model and job.fine_tuned_model.startswith(f"ft:{BASE}:")
