@@ -139,12 +139,17 @@ def test_serve_on_every_executor_placement(placement, model_dir, adapters, expec
         return
     # --no-shm makes the base refuse shared memory, so its clients send tensors as frames.
     extra = ("--threads", "1", *(["--no-shm"] if placement == "tcp" else []))
-    with (
-        ServerProcess(model_dir, args=extra) as base,
-        serve(model_dir, adapters, tmp_path / "serve.log", base.url("tcp")) as client,
-    ):
-        _check_completions(client, expected)
-        assert _transports(base) == {"shm" if placement == "shm" else "zmq"}
+    with ServerProcess(model_dir, args=extra) as base:
+        with serve(model_dir, adapters, tmp_path / "serve.log", base.url("tcp")) as client:
+            _check_completions(client, expected)
+            assert _transports(base) == {"shm" if placement == "shm" else "zmq"}
+        # serve said bye as it stopped, as the probe did (it left the base to notice its
+        # process gone)
+        deadline = time.monotonic() + 5
+        while base.log_text().count(" left\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "has exited: session freed" not in base.log_text(), base.log_text()
+        assert base.log_text().count(" left\n") == 2, base.log_text()
 
 
 def _finetune_argv(model_dir, data: Path, out: Path, executor: str | None) -> list[str]:

@@ -131,24 +131,6 @@ def test_threads_flag_refuses_zero(model_dir):
     assert "--threads must be >= 1, got 0" in done.stderr
 
 
-def test_a_port_in_use_is_one_line_before_loading(model_dir):
-    """It was three errors (uvicorn's, the API process's, the loader's) after startup."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        argv = [sys.executable, "-m", "symbiont", "serve", "--model", str(model_dir)]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        done = subprocess.run(
-            [*argv, "--port", str(port)], capture_output=True, text=True, env=env, timeout=120
-        )
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [
-        f"symbiont serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
-        "choose another --port, or stop what listens there"
-    ]
-
-
 @pytest.mark.parametrize("extra", [("--no-api-process",), ()], ids=["in-process", "api-process"])
 def test_sigterm_ends_serve_within_10_s_with_requests_in_flight(model_dir, tmp_path, extra):
     log = tmp_path / "serve.log"

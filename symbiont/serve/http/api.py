@@ -77,6 +77,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     load_error: str | None = None
     relay: object | None = None  # CoreRelay of the API process: outputs go there
+    executor: object | None = None  # the engine's; closed at exit (a remote one says bye)
     # adapter name -> the tenant whose POST /v1/adapters loaded it: with --tenants only
     # that tenant may unload it (what the operator loaded at start serves every tenant)
     loaded_by: dict[str, str] = field(default_factory=dict)

@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this, then are cancelled
 
 
+def _close_executor(state: ServerState) -> None:
+    """After the engine (and the jobs worker) stopped: a serve-base then frees the
+    session at once ("left") instead of noticing the process gone."""
+    close = getattr(state.executor, "close", None)
+    if close is not None:
+        close()
+
+
 def _check_port_free(host: str, port: int) -> None:
     """ValueError naming the address when another process listens on it (as uvicorn
     binds: SO_REUSEADDR, so a port in TIME_WAIT passes). Port 0 picks a free one."""
@@ -73,6 +81,7 @@ def load_engine(
         # jobs train through this executor: their backward calls need the plain layout
         prepack=config.prepack and config.jobs_dir is None,
     )
+    state.executor = executor
     engine = Engine.from_pretrained(
         config.model,
         executor=executor,
@@ -142,6 +151,7 @@ class BackgroundServer:
         self._thread.join(10)
         if self.state.engine is not None:
             self.state.engine.stop()
+        _close_executor(self.state)
         self._close_front()
 
     def _front_lost(self, why: str) -> None:
@@ -198,6 +208,7 @@ def run(config: ServerConfig) -> int:
     finally:
         if state.engine is not None:
             state.engine.stop()
+        _close_executor(state)
         if front is not None:
             state.relay.close()
             front.close()
@@ -273,6 +284,10 @@ class _Server(uvicorn.Server):
                 await self.lifespan.shutdown()
             if self._front is not None:
                 await self._stop_front()
+            # here too: after a SIGTERM nothing after `run` runs (see `_stop_front`)
+            if self._state.engine is not None:
+                await asyncio.to_thread(self._state.engine.stop)
+            await asyncio.to_thread(_close_executor, self._state)
         finally:
             ending.cancel()
 
