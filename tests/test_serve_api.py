@@ -461,3 +461,26 @@ def test_an_oversized_body_gets_413_from_an_async_client(server):
         asyncio.run(main())
     assert err.value.status_code == 413
     assert "--max-request-bytes" in err.value.body["message"]
+
+
+def test_health_reports_a_lost_executor_until_an_iteration_succeeds(server, client, monkeypatch):
+    """A `serve --executor` whose serve-base was gone answered every request with a 500
+    while /health said ok, so probes kept sending it traffic."""
+    from symbiont.protocol.executor import ExecutorUnavailable
+
+    engine = server.state.engine.engine
+    real = engine.runner.run
+
+    def lost(scheduled):
+        monkeypatch.setattr(engine.runner, "run", real)  # back for the next iteration
+        raise ExecutorUnavailable("lost the base executor at tcp://127.0.0.1:7100: ...")
+
+    monkeypatch.setattr(engine.runner, "run", lost)
+    with pytest.raises(openai.InternalServerError, match="lost the base executor"):
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503, health.text
+    assert health.json()["error"]["code"] == "executor_unavailable"
+    assert "lost the base executor at tcp://127.0.0.1:7100" in health.json()["error"]["message"]
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}

@@ -91,6 +91,9 @@ class Engine:
         eos = eos_token_ids(model, tokenizer)
         self.output = OutputProcessor(eos, self.max_model_len, observer or EngineObserver())
         self.requests: dict[str, Request] = {}
+        # (time.monotonic(), message) of the last iteration a lost executor failed, until
+        # one succeeds: /health reports it (symbiont/serve/http/api.py)
+        self.executor_lost: tuple[float, str] | None = None
         self.stalled = False  # the last step found nothing to run (adapters loading)
         self.cache: AdapterCache | None = None
         self.deltas = None  # DeltaServer, once a delta is loaded
@@ -355,10 +358,12 @@ class Engine:
             self._score_prompts(logits)
         except ExecutorUnavailable as err:  # said in full by its message: no traceback
             log.error("iteration failed: %s", err)
+            self.executor_lost = (time.monotonic(), str(err))
             return self._fail_all({s.seq.request_id for s in scheduled}, f"iteration failed: {err}")
         except Exception as err:  # noqa: BLE001 - the batch's requests fail, the server goes on
             log.exception("iteration failed")
             return self._fail_all({s.seq.request_id for s in scheduled}, f"iteration failed: {err}")
+        self.executor_lost = None
         scored = [item.seq for item in scheduled if item.reaches_end and not item.samples]
         return self._advance(scheduled, sampling, tokens, logprobs, scored)
 

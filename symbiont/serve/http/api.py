@@ -13,6 +13,7 @@ import functools
 import hmac
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        state.ready()
+        _check_executor(state.ready().engine)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -255,6 +256,26 @@ async def _serve(
         events = sse_events(engine, streams, view, include_usage, count)
         return StreamingResponse(events, media_type="text/event-stream")
     return await complete_response(engine, streams, view, http, count)
+
+
+EXECUTOR_LOST_S = 30.0  # /health reports a lost executor for this long after a failure
+
+
+def _check_executor(engine) -> None:
+    """503 while the last iteration failed for want of the base executor, for at most
+    EXECUTOR_LOST_S: a probe then stops sending traffic that would fail, and without
+    traffic (no iteration to succeed) the report expires and lets a request try again."""
+    lost = engine.executor_lost
+    if lost is None:
+        return
+    age = time.monotonic() - lost[0]
+    if age < EXECUTOR_LOST_S:
+        raise APIError(
+            503,
+            f"the base executor did not answer {age:.0f} s ago ({lost[1]})",
+            "service_unavailable",
+            code="executor_unavailable",
+        )
 
 
 def _check_fits_queue(engine: AsyncEngine, prompts: int, n: int) -> None:
