@@ -463,9 +463,10 @@ def test_an_oversized_body_gets_413_from_an_async_client(server):
     assert "--max-request-bytes" in err.value.body["message"]
 
 
-def test_health_reports_a_lost_executor_until_an_iteration_succeeds(server, client, monkeypatch):
+def test_ready_reports_a_lost_executor_until_an_iteration_succeeds(server, client, monkeypatch):
     """A `serve --executor` whose serve-base was gone answered every request with a 500
-    while /health said ok, so probes kept sending it traffic."""
+    while every probe said ok, so traffic kept coming. /ready says so now; /health (a
+    liveness probe: a restart cannot bring back a remote serve-base) stays ok."""
     from symbiont.protocol.executor import ExecutorUnavailable
 
     engine = server.state.engine.engine
@@ -478,9 +479,22 @@ def test_health_reports_a_lost_executor_until_an_iteration_succeeds(server, clie
     monkeypatch.setattr(engine.runner, "run", lost)
     with pytest.raises(openai.InternalServerError, match="lost the base executor"):
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
-    health = httpx.get(f"{server.url}/health")
-    assert health.status_code == 503, health.text
-    assert health.json()["error"]["code"] == "executor_unavailable"
-    assert "lost the base executor at tcp://127.0.0.1:7100" in health.json()["error"]["message"]
-    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices
+    ready = httpx.get(f"{server.url}/ready")
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["error"]["code"] == "executor_unavailable"
+    assert "tcp://" not in ready.json()["error"]["message"], "an open endpoint named it"
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ok"}
+
+
+def test_an_adapter_path_from_home_is_expanded(model_dir, adapters, tmp_path, monkeypatch):
+    """`--adapter NAME=~/runs/x` as zsh, systemd or Python pass it, with the ~ kept."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(adapters["lora4"], tmp_path / "mine")
+    config = ServerConfig(
+        model=str(model_dir), adapters=(("mine", "~/mine"),), port=0, engine=ENGINE
+    )
+    with BackgroundServer(config) as server:
+        cards = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert {c["id"]: c["root"] for c in cards}["mine"] == str(tmp_path / "mine")

@@ -62,6 +62,9 @@ def test_a_tenant_unloads_what_it_loaded_and_nobody_else_does(server):
     with http(server, "alice") as alice, http(server, "bob") as bob:
         loaded = alice.post("/v1/adapters", json={"name": "alices", "path": "extra"})
         assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["path"] == "extra", "a tenant was shown the host's folder"
+        outside = alice.post("/v1/adapters", json={"name": "x", "path": "/etc"})
+        assert outside.status_code == 403 and "(" not in outside.json()["error"]["message"]
         refused = bob.delete("/v1/adapters/alices")
         assert refused.status_code == 403, refused.text
         assert "loaded by another tenant" in refused.json()["error"]["message"]

@@ -113,7 +113,10 @@ def _default_threads(device: str, workers: int) -> int | None:
 
 
 def _threads_text(threads: int, workers: int, process: BaseProcessConfig) -> str:
-    why = "" if process.num_threads or process.device != "cpu" else ", a core left to clients"
+    chose = not process.num_threads and process.device == "cpu"
+    chose = chose and "OMP_NUM_THREADS" not in os.environ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    why = ", a core left to clients" if chose and threads * workers < (cores or 1) else ""
     each = f"{threads} thread{'s' if threads > 1 else ''}"
     if workers == 1:
         return each + why

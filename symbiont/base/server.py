@@ -1019,17 +1019,19 @@ class ExecutorServer:
             return
         if session.pid == os.getpid():  # a client thread of this process shares its threads
             return
-        if self._threads < self._cores:
+        # single-threaded products spin on nothing; OpenMP's threads spin after each one
+        if self._threads < 2 or self._threads * self.config.workers < self._cores:
             return
         self._crowd_warned = True
         log.warning(
-            "client %s runs on this host, and the products take all %d cores (--threads %d): "
-            "its steps may run many times slower; leave it a core (--threads %d, or no "
-            "--threads)",
+            "client %s runs on this host, and the products take all %d cores (--threads %d "
+            "x --workers %d): its steps may run many times slower; leave it a core "
+            "(--threads %d, or no --threads)",
             session.label,
             self._cores,
             self._threads,
-            max(1, self._cores - 1),
+            self.config.workers,
+            max(1, (self._cores - 1) // self.config.workers),
         )
 
     def _update_spin(self) -> None:

@@ -144,7 +144,7 @@ def _peft_shown(flags: dict) -> dict:
     """A job's PEFT settings as a request writes them (`target_modules`), with the alpha
     it trains with (2r unless given; methods without one have none)."""
     shown = {k: v for k, v in flags.items() if k != "target"}
-    if shown.get("alpha") is None and flags.get("method") in ("lora", "dora"):
+    if shown.get("alpha") is None and flags.get("method") in ("lora", "dora", "loha", "lokr"):
         shown["alpha"] = 2 * flags["r"]
     target = flags.get("target")
     shown["target_modules"] = target.split(",") if target and target != "all-linear" else target

@@ -228,8 +228,8 @@ class EngineConfig:
         object.__setattr__(self, "delta_mode", DeltaMode(self.delta_mode))
         object.__setattr__(self, "cache_policy", CachePolicy(self.cache_policy))
         object.__setattr__(self, "scheduler", SchedulerPolicy(self.scheduler))
-        if self.max_queue < 0:
-            raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
+        if self.max_queue < 1:  # 0 would refuse every request
+            raise ValueError(f"EngineConfig.max_queue must be >= 1, got {self.max_queue}")
         if self.max_batched_tokens < self.max_running:
             raise ValueError(
                 f"EngineConfig.max_batched_tokens ({self.max_batched_tokens}) must be at least "
@@ -285,7 +285,7 @@ class ServerConfig:
     A server on a non-loopback host needs `api_key` (clients send `Authorization: Bearer
     KEY`) unless `allow_unauthenticated` says on purpose that anyone may use it. Clients
     may load adapters by path (`POST /v1/adapters`) only from under `adapter_dir`; request
-    bodies over `max_request_bytes` are refused before they are read.
+    bodies over `max_request_bytes` are refused (413) and never held.
     """
 
     model: str = field(metadata={"help": "local Hugging Face checkpoint folder"})
@@ -364,7 +364,9 @@ class ServerConfig:
     )
     max_request_bytes: int = field(
         default=8 * 1024 * 1024,
-        metadata={"help": "largest request body in bytes; bigger ones get HTTP 413 unread"},
+        metadata={
+            "help": "largest request body in bytes; bigger ones get HTTP 413 (and are never held)"
+        },
     )
     adapter_dir: str | None = field(
         default=None,

@@ -177,6 +177,7 @@ class _Run:
                     f"again (checkpoints in {self.out} hold the steps before it)"
                 )
             self.state = TrainState(step, self.state.tokens + tokens, self.state.config)
+            self._updating = False  # the weights and the step count agree again
             losses.append(loss)
             window_tokens += tokens
             tokens_here += tokens
@@ -243,8 +244,7 @@ class _Run:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._updating = False
-        return total_loss / accum, tokens
+        return total_loss / accum, tokens  # (`loop` ends `_updating` once the step counts)
 
     def _batch(self, micro_step: int) -> list[Example]:
         indices = batch_indices(self.config, len(self.examples), micro_step)

@@ -102,7 +102,12 @@ def build_app(state: ServerState) -> FastAPI:
     _install_auth(app, state)  # outermost: no body is read for an unauthenticated request
 
     @app.get("/health")
-    async def health():
+    async def health():  # liveness: a restart cannot bring back a remote serve-base
+        state.ready()
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():  # readiness: also whether requests can be served now
         _check_executor(state.ready().engine)
         return {"status": "ok"}
 
@@ -128,8 +133,11 @@ def build_app(state: ServerState) -> FastAPI:
         engine = state.ready()
         if body.name == state.model_name:
             raise APIError(400, "an adapter may not take the base model's name", *_invalid("name"))
-        card = await engine.load_adapter(body.name, _adapter_path(state.adapter_dir, body.path))
+        folder = _adapter_path(state.adapter_dir, body.path, show_root=state.tenants is None)
+        card = await engine.load_adapter(body.name, folder)
         state.loaded_by[body.name] = tenant_of(http)
+        if state.tenants is not None:  # the path as the tenant gave it, not the host's
+            card = {**card, "path": body.path}
         return card
 
     @app.delete("/v1/adapters/{name:path}")  # names may hold '/' (org/adapter)
@@ -262,9 +270,10 @@ EXECUTOR_LOST_S = 30.0  # /health reports a lost executor for this long after a 
 
 
 def _check_executor(engine) -> None:
-    """503 while the last iteration failed for want of the base executor, for at most
-    EXECUTOR_LOST_S: a probe then stops sending traffic that would fail, and without
-    traffic (no iteration to succeed) the report expires and lets a request try again."""
+    """503 (/ready) while the last iteration failed for want of the base executor, for at
+    most EXECUTOR_LOST_S after the last such failure: a readiness probe then stops sending
+    traffic that would fail, and without traffic the report expires and lets a request
+    try again. The open endpoint names no address: the server log has the executor's."""
     lost = engine.executor_lost
     if lost is None:
         return
@@ -272,7 +281,7 @@ def _check_executor(engine) -> None:
     if age < EXECUTOR_LOST_S:
         raise APIError(
             503,
-            f"the base executor did not answer {age:.0f} s ago ({lost[1]})",
+            f"the base executor did not answer {age:.0f} s ago; see the server log",
             "service_unavailable",
             code="executor_unavailable",
         )
@@ -780,7 +789,7 @@ def _surrogate_path(value, path: tuple) -> tuple | None:
     return None
 
 
-def _adapter_path(root: str | None, given: str) -> str:
+def _adapter_path(root: str | None, given: str, show_root: bool = True) -> str:
     """The folder `given` names, only if it lies under `root` (symlinks and `..` resolved
     first). Refusals read the same whether or not the path exists."""
     if root is None:
@@ -805,8 +814,9 @@ def _adapter_path(root: str | None, given: str) -> str:
     if os.path.commonpath([real_root, resolved]) != real_root or resolved == real_root:
         raise APIError(
             403,
-            f"adapters may be loaded only from folders under the server's adapter folder "
-            f"({root}); pass a path inside it, absolute or relative to it",
+            "adapters may be loaded only from folders under the server's adapter folder"
+            f"{f' ({root})' if show_root else ''}; pass a path inside it, "
+            f"{'absolute or ' if show_root else ''}relative to it",
             "permission_error",
             "path",
             "adapter_path_forbidden",

@@ -68,7 +68,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
-    # vLLM extension: generation also stops after any of these tokens (it is kept)
+    # vLLM extension: generation also stops at any of these tokens (left out of the text,
+    # as an end-of-sequence token is)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKENS)
 
     @model_validator(mode="after")

@@ -90,7 +90,8 @@ def load_engine(
         dtype=config.dtype,
     )
     for name, path in config.adapters:
-        path = os.path.abspath(path)  # as /v1/models shows it (folder adapters' are absolute)
+        # as /v1/models shows it (folder adapters' are absolute); ~ as read_adapter reads it
+        path = os.path.abspath(os.path.expanduser(path))
         engine.load_adapter(name, path)
         log.info("adapter %s loaded from %s", name, path)
     for name, path, *mode in config.deltas:  # mode: exact or merged, if given
