@@ -272,7 +272,11 @@ def test_token_is_required_when_configured(checkpoints, tmp_path, caplog):
 def test_no_executor_is_a_clear_error_not_a_hang(tmp_path):
     start = time.monotonic()
     with pytest.raises(ExecutorUnavailable, match="serve-base"):
-        symbiont.connect(f"ipc://{tmp_path}/nobody.sock", connect_timeout_s=0.5)
+        symbiont.connect("tcp://127.0.0.1:9", connect_timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    # a socket file that does not exist is said at once (it waited connect_timeout_s: 10 s)
+    with pytest.raises(ExecutorUnavailable, match=r"nobody.sock does not exist; start one"):
+        symbiont.connect(f"ipc://{tmp_path}/nobody.sock", connect_timeout_s=60)
     assert time.monotonic() - start < 5
 
 

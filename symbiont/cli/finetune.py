@@ -88,6 +88,7 @@ def _add_model_flags(parser) -> None:
         "--threads",
         type=int,
         default=None,
+        metavar="N",
         help="torch intra-op threads for this process (default: torch's choice, one per "
         "core, less one with an --executor on this host, which spins on a core while it waits "
         "for calls); use 1 when several clients share a few cores",

@@ -47,6 +47,7 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -159,13 +160,25 @@ def _default(field: dataclasses.Field):
     return dataclasses.MISSING
 
 
+def _metavar(kind, name: str) -> str:
+    """N for a count, X for a real number (a rate, a probability), PATH for a file or
+    folder, else the flag's name."""
+    if kind is int:
+        return "N"
+    if kind is float:
+        return "X"
+    if kind is Path or kind == "Path":
+        return "PATH"
+    return name[2:].upper()
+
+
 def _add(parser, field, hint, spec: dict, required: bool, default) -> argparse.Action:
     name = spec.get("flag") or "--" + field.name.replace("_", "-")
     names = [name, *spec.get("aliases", ())]  # earlier names of a renamed flag keep working
     required = required or default is dataclasses.MISSING
     kind = _unwrap_optional(hint)
     kwargs: dict[str, Any] = {"dest": field.name, "help": spec["help"]}
-    kwargs["metavar"] = spec.get("metavar", "N" if kind in (int, float) else name[2:].upper())
+    kwargs["metavar"] = spec.get("metavar", _metavar(kind, name))
     shown = None if required else _shown(default, spec)
     if kind is bool:
         del kwargs["metavar"]

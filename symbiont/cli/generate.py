@@ -93,6 +93,7 @@ def register(subparsers) -> None:
         "--threads",
         type=int,
         default=None,
+        metavar="N",
         help="torch intra-op threads (default: torch's choice, one per core, less one with "
         "an --executor on this host, which spins on a core while it waits for calls)",
     )

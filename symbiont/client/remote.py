@@ -326,6 +326,14 @@ class RemoteExecutor(Executor):
     # -- connection --------------------------------------------------------------
 
     def _open(self) -> None:
+        where = self.url.removeprefix("ipc://")
+        if self._manifest is None and self.url.startswith("ipc://") and not os.path.exists(where):
+            # at first connect (a restart may remove it for a moment): at once, not after
+            # connect_timeout_s of waiting on a socket nobody can create
+            raise ExecutorUnavailable(
+                f"no base executor at {self.url}: {where} does not exist; start one with "
+                f"`symbiont serve-base --model DIR --bind {self.url}` or check the URL"
+            )
         try:
             self._handshake()
         except ExecutorError:
